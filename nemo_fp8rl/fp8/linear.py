@@ -1,0 +1,332 @@
+"""Emulated FP8 linear layers: the autograd function, the module, the converter, and ``disable_fp8``.
+
+``fp8_linear`` reproduces what an FP8 GEMM *sees*: each operand is replaced by its FP8 value
+(``fake_quantize`` along the GEMM's reduction dimension, see ``recipes.py``), then the product is
+computed in float32 (or with the ``fast`` accumulation model). Gradients flow through the quantized
+operands exactly as in Transformer Engine: dgrad uses the quantized output gradient and weight, wgrad
+the quantized output gradient and input; the bias gradient is the high-precision sum of dy.
+
+Delayed scaling keeps per-operand state (``Fp8LinearState``): the scale used at step t comes from the
+amax history of steps < t; the history is recorded only when autograd is recording (training
+forwards and all backwards), never under ``torch.no_grad`` (evaluation/log-prob passes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, Dict, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nemo_fp8rl.fp8.quantize import Fp8Stats, compute_scale, fake_quantize
+from nemo_fp8rl.fp8.recipes import ROLES, Fp8Recipe
+
+logger = logging.getLogger(__name__)
+
+
+class DelayedScalingMeta:
+    """Amax history and current scale of one operand under delayed scaling.
+
+    ``scale`` starts at 1 (first step). After each recorded quantization:
+    ``amax_ref = history[0]`` (most_recent) or ``max(history)`` (max);
+    ``scale = M * 2^-margin / amax_ref``; then the history rolls one slot (slot 0 is cleared for the
+    next step).
+    """
+
+    def __init__(self, history_len: int) -> None:
+        self.amax_history = torch.zeros(history_len, dtype=torch.float32)
+        self.scale = torch.ones((), dtype=torch.float32)
+
+    def record_and_update(self, amax: torch.Tensor, recipe: Fp8Recipe, role: str) -> None:
+        if self.amax_history.device != amax.device:
+            self.amax_history = self.amax_history.to(amax.device)
+            self.scale = self.scale.to(amax.device)
+        hist = self.amax_history.clone()
+        hist[0] = amax.float()
+        ref = hist[0] if recipe.amax_compute_algo == "most_recent" else hist.max()
+        self.scale = compute_scale(
+            ref, recipe.format_for(role), margin=recipe.margin, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon
+        )
+        self.amax_history = torch.roll(hist, 1)
+        self.amax_history[0] = 0.0
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {"amax_history": self.amax_history.clone(), "scale": self.scale.clone()}
+
+    def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        if sd["amax_history"].shape != self.amax_history.shape:
+            raise ValueError(
+                f"delayed-scaling amax_history has length {sd['amax_history'].shape[0]} in the checkpoint but "
+                f"{self.amax_history.shape[0]} in the recipe (fp8.amax_history_len); use the same value"
+            )
+        self.amax_history = sd["amax_history"].clone().float()
+        self.scale = sd["scale"].clone().float()
+
+
+class Fp8LinearState:
+    """Per-linear FP8 state: delayed-scaling metas (one per operand role) and health counters."""
+
+    def __init__(self, recipe: Fp8Recipe, track_stats: bool = True) -> None:
+        self.recipe = recipe
+        self.delayed = {r: DelayedScalingMeta(recipe.amax_history_len) for r in ROLES} if recipe.scaling == "delayed" else {}
+        self.stats: Optional[Fp8Stats] = Fp8Stats() if track_stats else None
+
+    def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        return {r: m.state_dict() for r, m in self.delayed.items()}
+
+    def load_state_dict(self, sd: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        if set(sd) != set(self.delayed):
+            raise ValueError(
+                f"FP8 state roles {sorted(sd)} in the checkpoint do not match recipe "
+                f"{self.recipe.name!r} ({sorted(self.delayed)}); resume with the same fp8 recipe"
+            )
+        for r, m in self.delayed.items():
+            m.load_state_dict(sd[r])
+
+
+def quantize_operand(
+    t: torch.Tensor, role: str, dim: int, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool
+) -> torch.Tensor:
+    """FP8 value of one GEMM operand under ``recipe``, grouped along reduction dim ``dim``.
+
+    Args:
+        t: 2-D operand ([M, K] input, [N, K] weight or [M, N] output gradient).
+        role: ``input``, ``weight`` or ``grad_output`` (selects format and granularity).
+        dim: the GEMM reduction dimension of t in this use (0 or 1).
+        state: delayed-scaling metas and stats (optional).
+        record: update the delayed-scaling history with this tensor's amax.
+    Returns:
+        float32 tensor shaped like t.
+    """
+    fmt = recipe.format_for(role)
+    stats = state.stats if state is not None else None
+    scale = None
+    if recipe.scaling == "delayed":
+        if state is None:
+            raise ValueError("delayed scaling needs an Fp8LinearState (per-layer amax history)")
+        meta = state.delayed[role]
+        scale = meta.scale.to(t.device)
+    out = fake_quantize(
+        t, fmt, recipe.granularity_for(role), dim=dim, pow2_scales=recipe.pow2_scales,
+        eps=recipe.amax_epsilon, block=recipe.mx_block, scale=scale, stats=stats,
+        divide=recipe.dequant == "divide",
+    ).float()
+    if scale is not None and record:
+        meta.record_and_update(t.detach().abs().amax(), recipe, role)
+    return out
+
+
+def _truncate_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round float32 x toward zero to ``bits`` significant bits (zero the low 24-bits mantissa bits)."""
+    drop = 24 - bits
+    if drop <= 0:
+        return x
+    as_int = x.contiguous().view(torch.int32)
+    return (as_int & -(1 << drop)).view(torch.float32)  # -(2^drop) = ones above the dropped bits
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, recipe: Optional[Fp8Recipe] = None, fast: bool = False) -> torch.Tensor:
+    """``a @ b.T`` for a [M, K], b [N, K] -> [M, N], in float32.
+
+    With ``fast=True`` (Hopper un-promoted FP8 accumulation) the reduction runs in chunks of
+    ``accumulation_chunk`` terms; after each chunk the running sum is truncated to
+    ``accumulation_bits`` significant bits: ``acc_{c+1} = trunc(acc_c + a[:, C_c] @ b[:, C_c].T)``.
+    """
+    if not fast:
+        return a @ b.t()
+    chunk = recipe.accumulation_chunk if recipe is not None else 32
+    bits = recipe.accumulation_bits if recipe is not None else 14
+    acc = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    for k0 in range(0, a.shape[1], chunk):
+        acc = _truncate_bits(acc + a[:, k0:k0 + chunk] @ b[:, k0:k0 + chunk].t(), bits)
+    return acc
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq = quantize_operand(x2, "input", 1, recipe, state, record)
+        wq = quantize_operand(weight, "weight", 1, recipe, state, record)
+        y = fp8_gemm(xq, wq, recipe, fast=recipe.accumulation == "fast")
+        if bias is not None:
+            y = y + bias.float()
+        per_tensor = recipe.granularity_for("input") == "tensor"
+        weight_tiles = recipe.granularity_for("weight") not in ("row", "mx")
+        # Per-tensor scales and 2-D weight tiles are the same in both orientations: reuse the forward
+        # FP8 values in backward (as TE does); otherwise keep the raw operand and quantize along the
+        # backward GEMM's reduction dimension.
+        ctx.save_for_backward(
+            xq if per_tensor else x2, wq if weight_tiles else weight, bias if bias is not None else None
+        )
+        ctx.reuse_x, ctx.reuse_w, ctx.has_bias = per_tensor, weight_tiles, bias is not None
+        ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype = recipe, state, x.shape, x.dtype
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_saved, w_saved, _ = ctx.saved_tensors
+        recipe, state = ctx.recipe, ctx.state
+        g = grad_y.reshape(-1, grad_y.shape[-1]).float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            gq = quantize_operand(g, "grad_output", 1, recipe, state, record=True)
+            wq = w_saved if ctx.reuse_w else quantize_operand(w_saved, "weight", 0, recipe, state, record=False)
+            grad_x = (gq @ wq).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            if recipe.wgrad_fp8:
+                per_tensor_g = recipe.granularity_for("grad_output") == "tensor"
+                if per_tensor_g and ctx.needs_input_grad[0]:
+                    gq_w = gq
+                else:
+                    gq_w = quantize_operand(g, "grad_output", 0, recipe, state, record=not ctx.needs_input_grad[0])
+                xq_w = x_saved if ctx.reuse_x else quantize_operand(x_saved, "input", 0, recipe, state, record=False)
+                grad_w = gq_w.t() @ xq_w
+            else:
+                grad_w = g.t() @ x_saved.float()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    recipe: Fp8Recipe,
+    state: Optional[Fp8LinearState] = None,
+) -> torch.Tensor:
+    """Emulated FP8 linear ``y = Q(x) @ Q(W)^T + b`` with FP8 gradients.
+
+    Args:
+        x: [..., K] input (any float dtype; output has the same dtype).
+        weight: [N, K].
+        bias: [N] or None (added in high precision).
+        recipe: the FP8 recipe (formats, granularity, accumulation).
+        state: per-layer state; required for ``delayed`` scaling, collects saturation stats.
+    Returns:
+        y: [..., N]. Backward: dx = Q(dy) @ Q(W), dW = Q(dy)^T @ Q(x) (each along its reduction
+        dim), db = sum(dy).
+    """
+    # Delayed-scaling history is recorded only by forwards that autograd records (training steps).
+    return _Fp8LinearFn.apply(x, weight, bias, recipe, state, torch.is_grad_enabled())
+
+
+class Fp8Linear(torch.nn.Linear):
+    """``torch.nn.Linear`` whose GEMMs run emulated FP8 while ``fp8_enabled`` is True."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Fp8Recipe, **kw) -> None:
+        super().__init__(in_features, out_features, bias=bias, **kw)
+        self.fp8_recipe = recipe
+        self.fp8_state = Fp8LinearState(recipe)
+        self.fp8_enabled = True
+
+    @classmethod
+    def from_linear(cls, lin: torch.nn.Linear, recipe: Fp8Recipe) -> "Fp8Linear":
+        """Wrap an existing linear, sharing its parameters (no copy)."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        new.weight = lin.weight
+        new.bias = lin.bias
+        new.fp8_recipe = recipe
+        new.fp8_state = Fp8LinearState(recipe)
+        new.fp8_enabled = True
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_state)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}, enabled={self.fp8_enabled}"
+
+
+def default_module_filter(module: torch.nn.Module, fqn: str) -> bool:
+    """Which linears to convert: not the LM head, and both dims divisible by 16 (FP8 GEMM rule)."""
+    leaf = fqn.rsplit(".", 1)[-1]
+    if leaf in ("lm_head", "output_layer"):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_fp8(
+    module: torch.nn.Module,
+    recipe: Fp8Recipe,
+    module_filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = default_module_filter,
+) -> torch.nn.Module:
+    """Swap every ``torch.nn.Linear`` in ``module`` (in place) for an emulated :class:`Fp8Linear`.
+
+    ``module_filter_fn(linear, fully_qualified_name) -> bool`` picks which to convert (None = all).
+    Parameters are shared, not copied, so optimizers built before conversion keep working. Logs
+    ``converted N/M linear layers``; the counts are also returned on ``module.fp8_conversion``.
+    """
+    total = converted = 0
+
+    def visit(parent: torch.nn.Module, prefix: str) -> None:
+        nonlocal total, converted
+        for name, child in list(parent.named_children()):
+            fqn = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, Fp8Linear):
+                total += 1
+                converted += 1
+            elif isinstance(child, torch.nn.Linear):
+                total += 1
+                if module_filter_fn is None or module_filter_fn(child, fqn):
+                    setattr(parent, name, Fp8Linear.from_linear(child, recipe))
+                    converted += 1
+            else:
+                visit(child, fqn)
+
+    if isinstance(module, torch.nn.Linear) and not isinstance(module, Fp8Linear):
+        raise ValueError("convert_to_fp8 converts the linears inside a module; wrap a bare Linear with Fp8Linear.from_linear")
+    visit(module, "")
+    logger.info("FP8 (%s): converted %d/%d linear layers", recipe.name, converted, total)
+    module.fp8_conversion = {"converted": converted, "total": total, "skipped": total - converted}
+    return module
+
+
+@contextlib.contextmanager
+def disable_fp8(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run ``model`` in high precision inside the block: the BF16 shadow forward of Calibrated Clipping.
+
+    Sets ``fp8_enabled = False`` on every submodule that has that attribute (our emulated linears,
+    including the Megatron parallel ones) and restores the previous values on exit, even on error.
+    The weights are the same tensors, so the shadow forward sees exactly the FP8 run's weights.
+    """
+    saved = [(m, m.fp8_enabled) for m in model.modules() if hasattr(m, "fp8_enabled")]
+    try:
+        for m, _ in saved:
+            m.fp8_enabled = False
+        yield model
+    finally:
+        for m, flag in saved:
+            m.fp8_enabled = flag
+
+
+def fp8_modules(model: torch.nn.Module):
+    """Submodules that carry FP8 state (``fp8_state`` attribute)."""
+    return [m for m in model.modules() if getattr(m, "fp8_state", None) is not None]
+
+
+def collect_fp8_stats(model: torch.nn.Module, reset: bool = True) -> Dict[str, torch.Tensor]:
+    """Sum the saturation/non-finite counters of every FP8 layer (tensors; no host sync).
+
+    Returns ``fp8/saturated`` (elements clamped), ``fp8/quantized`` (elements quantized),
+    ``fp8/saturation_frac`` and ``fp8/nonfinite_amax`` (groups whose amax was inf/NaN).
+    """
+    sat = num = bad = torch.zeros((), dtype=torch.int64)
+    for m in fp8_modules(model):
+        st = m.fp8_state.stats
+        if st is None:
+            continue
+        sat = sat + st.saturated.cpu()
+        num = num + st.numel.cpu()
+        bad = bad + st.nonfinite_amax.cpu()
+        if reset:
+            st.reset()
+    frac = sat.double() / num.clamp(min=1).double()
+    return {"fp8/saturated": sat, "fp8/quantized": num, "fp8/saturation_frac": frac, "fp8/nonfinite_amax": bad}

@@ -1,0 +1,145 @@
+"""FP8 schemes of the rollout (inference) engine, separate from the training recipe as in real stacks.
+
+An inference engine quantizes the synced weights once per weight sync and the activations on the
+fly. Its scales follow vLLM's FP8 kernels, which *divide* by a scale ``amax / M`` rather than
+multiply by ``M / amax``:
+
+* ``vllm_w8a8`` (default): weight per tensor, ``s_w = amax(W) / 448``, ``W_hat = sat(W / s_w) * s_w``;
+  activations per token (row), ``s_x = max(amax(x_row) / 448, 1 / (448 * 512))``,
+  ``x_hat = sat(x / s_x) * s_x``.
+* ``vllm_block``: weight in 128x128 tiles, ``s = amax(tile) / 448``; activations in dynamic 1x128
+  groups along K, ``s = max(amax(group), 1e-10) / 448``.
+* ``same_as_train``: the training recipe's forward quantization (inputs and weights), so rollout and
+  trainer differ only by what the trainer does after sampling (delayed scaling is replaced by
+  current per-tensor scaling: an inference engine has no amax history).
+* ``off``: high precision.
+
+Rollout and trainer log-probs therefore disagree even at identical weights (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8
+from nemo_fp8rl.fp8.quantize import _blocks_1d, _blocks_2d, _unblocks_2d, fake_quantize
+from nemo_fp8rl.fp8.recipes import Fp8Recipe
+
+_VLLM_MIN_SCALE = 1.0 / (448.0 * 512.0)
+_BLOCK_EPS = 1e-10
+
+
+def _divide_quant(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``sat_e4m3(x / s) * s`` (vLLM convention), float32."""
+    return cast_to_fp8(x / s, E4M3).float() * s
+
+
+class RolloutScheme:
+    """Base: high precision (``off``). ``quantize_weight`` once per sync, ``quantize_activation`` per call."""
+
+    name = "off"
+
+    def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """Weight [N, K] -> its FP8 read-back value [N, K] (float32)."""
+        return w.float()
+
+    def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """Activation [..., K] -> its FP8 read-back value (float32)."""
+        return x.float()
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "off"
+
+    def __repr__(self) -> str:
+        return f"RolloutScheme({self.name})"
+
+
+class VllmW8A8(RolloutScheme):
+    """Per-tensor weight scale, dynamic per-token activation scales (module docstring)."""
+
+    name = "vllm_w8a8"
+
+    def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """``s_w = amax(W)/448``; ``W_hat = sat(W / s_w) * s_w``; W [N, K]."""
+        wf = w.float()
+        s = wf.abs().amax() / 448.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return _divide_quant(wf, s)
+
+    def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """Per token: ``s = max(amax(x_row)/448, 1/(448*512))``; x [..., K]."""
+        xf = x.float()
+        s = (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=_VLLM_MIN_SCALE)
+        return _divide_quant(xf, s)
+
+
+class VllmBlock(RolloutScheme):
+    """128x128 weight tiles, dynamic 1x128 activation groups (DeepSeek-style block FP8)."""
+
+    name = "vllm_block"
+
+    def __init__(self, block: int = 128) -> None:
+        self.block = block
+
+    def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """Per tile: ``s = amax(tile)/448``; W [N, K] -> [N, K]."""
+        wf = w.float()
+        tiles = _blocks_2d(wf, self.block, self.block)
+        s = tiles.abs().amax(dim=(-2, -1), keepdim=True) / 448.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return _unblocks_2d(_divide_quant(tiles, s), *wf.shape)
+
+    def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """Per 1x128 group along K: ``s = max(amax, 1e-10)/448``; x [..., K]."""
+        xf = x.float()
+        groups, k = _blocks_1d(xf, self.block)
+        s = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_BLOCK_EPS) / 448.0
+        return _divide_quant(groups, s).reshape(*xf.shape[:-1], -1)[..., :k]
+
+
+class SameAsTrain(RolloutScheme):
+    """The training recipe's forward quantization of inputs and weights."""
+
+    name = "same_as_train"
+
+    def __init__(self, recipe: Fp8Recipe) -> None:
+        # An inference engine has no amax history: delayed scaling becomes current per-tensor scaling.
+        self.recipe = recipe.replace(scaling="tensorwise") if recipe.scaling == "delayed" else recipe
+
+    def _q(self, t: torch.Tensor, role: str) -> torch.Tensor:
+        r = self.recipe
+        return fake_quantize(
+            t.float(), r.format_for(role), r.granularity_for(role), dim=-1, pow2_scales=r.pow2_scales,
+            eps=r.amax_epsilon, block=r.mx_block, divide=r.dequant == "divide",
+        )
+
+    def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return self._q(w, "weight")
+
+    def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
+        return self._q(x, "input")
+
+
+ROLLOUT_SCHEMES = ("off", "vllm_w8a8", "vllm_block", "same_as_train")
+
+
+def get_rollout_scheme(name: Optional[str], train_recipe: Optional[Fp8Recipe] = None) -> RolloutScheme:
+    """Rollout FP8 scheme by name: ``off``, ``vllm_w8a8``, ``vllm_block``, ``same_as_train``.
+
+    ``same_as_train`` needs the training recipe (and falls back to ``off`` when training FP8 is off).
+    """
+    if name is None or name == "off":
+        return RolloutScheme()
+    if name == "vllm_w8a8":
+        return VllmW8A8()
+    if name == "vllm_block":
+        return VllmBlock()
+    if name == "same_as_train":
+        if train_recipe is None:
+            return RolloutScheme()
+        return SameAsTrain(train_recipe)
+    raise ValueError(f"unknown rollout FP8 scheme {name!r} (rollout.fp8.scheme); valid: {list(ROLLOUT_SCHEMES)}")
+
