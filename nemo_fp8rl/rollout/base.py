@@ -1,0 +1,211 @@
+"""The rollout-engine interface: what the trainer needs from anything that generates responses.
+
+A rollout engine is a separate model implementation, the way vLLM is in real RL stacks (verl, NeMo RL,
+OpenRLHF): the trainer owns the weights, and after every optimizer step it pushes them to the engine
+("weight sync") in Hugging Face Llama/Qwen naming. The engine keeps its own copy, possibly quantized
+with its own FP8 scheme, and samples responses with it. Because the two implementations (and their FP8
+schemes) differ, the engine reports the log-probability of every token it sampled (``rollout_logp``),
+which the trainer compares with its own (``old_logp``) for rollout correction (TIS / IcePop).
+
+Three small pieces keep engines interchangeable:
+
+- :class:`SamplingParams`: temperature, top-p, maximum new tokens, stop on EOS.
+- :class:`RolloutBatch`: the result, in one layout every engine must produce (below).
+- :class:`RolloutEngine` (a Protocol) and the registry :func:`get_rollout_engine` /
+  :func:`register_rollout_engine`. ``"torch"`` is the in-process engine of
+  :mod:`nemo_fp8rl.rollout.torch_engine`; a vLLM engine registers itself under another name later.
+
+Layout of :class:`RolloutBatch` (B sequences, T positions)::
+
+    tokens[b]       = p_0 .. p_{P_b - 1}  r_0 .. r_{R_b - 1}  pad ... pad
+    mask[b, t]      = 1 for P_b <= t < P_b + R_b (response tokens, EOS included when sampled), else 0
+    rollout_logp[b, t] = log p_rollout(tokens[b, t] | tokens[b, :t]) where mask is 1, else 0
+
+so ``rollout_logp`` lines up with the trainer's teacher-forced log-probs of the same ``tokens``
+(log-prob of token t from the logits at position t - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "SamplingParams",
+    "RolloutBatch",
+    "RolloutEngine",
+    "register_rollout_engine",
+    "get_rollout_engine",
+    "rollout_engine_names",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one batch of responses.
+
+    ``rollout_logp`` is always ``log_softmax(logits / temperature)`` at the sampled token, taken
+    *before* the top-p cut and renormalisation (the convention of vLLM's sampled log-probs and verl), so
+    with ``temperature=1`` it is the policy's own log-probability whatever ``top_p`` is.
+    ``temperature=0`` means greedy decoding; its ``rollout_logp`` is ``log_softmax(logits)``.
+    """
+
+    temperature: float = 1.0
+    """Softmax temperature (> 0), or 0 for greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p (0 < top_p <= 1)."""
+    max_new_tokens: int = 16
+    """Most tokens generated per prompt (EOS included)."""
+    stop_on_eos: bool = True
+    """Stop a sequence when it samples the EOS token (the EOS is kept as the last response token)."""
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and t >= 0 and t == t and t != float("inf")):
+            raise ValueError(
+                f"SamplingParams.temperature={t!r} is not valid; use a finite number > 0, or 0 for greedy "
+                "decoding (config key rollout.temperature)"
+            )
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(
+                f"SamplingParams.top_p={self.top_p!r} is not valid; use 0 < top_p <= 1 "
+                "(config key rollout.top_p; 1.0 disables nucleus sampling)"
+            )
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise ValueError(
+                f"SamplingParams.max_new_tokens={self.max_new_tokens!r} is not valid; use an integer >= 1 "
+                "(config key rollout.max_new_tokens)"
+            )
+
+
+@dataclass
+class RolloutBatch:
+    """Sampled sequences, prompt first, right-padded (see the module docstring for the layout).
+
+    Shapes: ``tokens`` LongTensor [B, T]; ``prompt_lens``, ``response_lens`` LongTensor [B];
+    ``mask`` FloatTensor [B, T]; ``rollout_logp`` FloatTensor [B, T] (float32); ``finished``
+    BoolTensor [B] (True when the sequence stopped on EOS). All on CPU.
+    """
+
+    tokens: torch.Tensor
+    prompt_lens: torch.Tensor
+    response_lens: torch.Tensor
+    mask: torch.Tensor
+    rollout_logp: torch.Tensor
+    finished: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def responses(self) -> list[list[int]]:
+        """Response token ids of each sequence (EOS included when it was sampled)."""
+        out = []
+        for b in range(self.batch_size):
+            p, r = int(self.prompt_lens[b]), int(self.response_lens[b])
+            out.append(self.tokens[b, p : p + r].tolist())
+        return out
+
+    def validate(self) -> None:
+        """Check the layout invariants; raise ``ValueError`` naming the first one broken.
+
+        Engines call this in tests; it is cheap enough to call on every batch while debugging.
+        """
+        B, T = self.tokens.shape
+        for name in ("prompt_lens", "response_lens", "finished"):
+            if tuple(getattr(self, name).shape) != (B,):
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected ({B},)")
+        for name in ("mask", "rollout_logp"):
+            if tuple(getattr(self, name).shape) != (B, T):
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected ({B}, {T})")
+        pos = torch.arange(T).unsqueeze(0)
+        start, end = self.prompt_lens.unsqueeze(1), (self.prompt_lens + self.response_lens).unsqueeze(1)
+        expected = ((pos >= start) & (pos < end)).to(self.mask.dtype)
+        if not torch.equal(self.mask, expected):
+            raise ValueError("RolloutBatch.mask is not 1 exactly on positions prompt_len <= t < prompt_len + response_len")
+        if bool(((self.rollout_logp != 0) & (self.mask == 0)).any()):
+            raise ValueError("RolloutBatch.rollout_logp is nonzero outside the response mask")
+        if B and int(end.max()) > T:
+            raise ValueError("RolloutBatch: prompt_len + response_len exceeds the token width T")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer calls on a rollout engine.
+
+    - ``update_weights(hf_state_dict)``: replace the engine's weights (Hugging Face Llama/Qwen names,
+      float tensors, any order); the engine re-quantizes them for its FP8 scheme. Returns nothing the
+      trainer must use (engines may return a summary of the sync).
+    - ``generate(prompts, params, generator)``: sample one response per prompt (prompt = list of token
+      ids, lengths may differ) and return a :class:`RolloutBatch`. Same weights, prompts, params and
+      generator state -> same result.
+    """
+
+    def update_weights(self, hf_state_dict: Mapping[str, torch.Tensor]) -> Any: ...
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> RolloutBatch: ...
+
+
+_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_rollout_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:
+    """Decorator: register a rollout-engine factory under ``name`` (re-registering a name raises).
+
+    The factory is called as ``factory(model_cfg, fp8_scheme=..., train_recipe=..., eos_id=..., pad_id=...,
+    **kw)``.
+    """
+
+    def deco(factory: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
+        if name in _ENGINES:
+            raise ValueError(f"rollout engine {name!r} is already registered ({_ENGINES[name]!r})")
+        _ENGINES[name] = factory
+        return factory
+
+    return deco
+
+
+def _load_builtin_engines() -> None:
+    # Imported here, not at module top, so `base` stays importable by engines without a cycle.
+    import nemo_fp8rl.rollout.torch_engine  # noqa: F401  (registers "torch")
+
+
+def rollout_engine_names() -> list[str]:
+    """Names accepted by :func:`get_rollout_engine`."""
+    _load_builtin_engines()
+    return sorted(_ENGINES)
+
+
+def get_rollout_engine(
+    name: str,
+    model_cfg: Any,
+    *,
+    fp8_scheme: Any,
+    train_recipe: Any = None,
+    eos_id: int,
+    pad_id: int,
+    **kw: Any,
+) -> RolloutEngine:
+    """Build the rollout engine registered as ``name``.
+
+    Args:
+        name: engine name (``"torch"``: the in-process engine).
+        model_cfg: :class:`nemo_fp8rl.config.model.ModelConfig` of the policy (shapes of the weights that
+            ``update_weights`` will receive).
+        fp8_scheme: rollout FP8 scheme name (config key ``rollout.fp8.scheme``: ``"vllm_w8a8"``,
+            ``"vllm_block"``, ``"same_as_train"``, ``"off"``), or a scheme object with
+            ``quantize_weight`` and ``quantize_activation``.
+        train_recipe: the training FP8 recipe, needed by ``"same_as_train"``.
+        eos_id, pad_id: token ids of end-of-sequence and padding.
+        **kw: engine-specific options (torch engine: ``device``, ``dtype``).
+    """
+    _load_builtin_engines()
+    if name not in _ENGINES:
+        raise ValueError(
+            f"unknown rollout engine {name!r} (config key rollout.engine); registered engines: {sorted(_ENGINES)}"
+        )
+    return _ENGINES[name](model_cfg, fp8_scheme=fp8_scheme, train_recipe=train_recipe, eos_id=eos_id, pad_id=pad_id, **kw)

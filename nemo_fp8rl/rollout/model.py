@@ -1,0 +1,498 @@
+"""The rollout engine's own torch implementation of a Llama/Qwen decoder (weights in Hugging Face naming).
+
+Why a second implementation of the policy: real RL stacks generate with an inference engine (vLLM,
+SGLang) that loads the trainer's weights by name and runs its own kernels and its own FP8 scheme. The
+trainer's log-probs and the engine's therefore differ even at identical weights; this module is that
+second implementation, small enough to read, with the same HF weight names vLLM loads. Nothing here
+imports Megatron.
+
+Architecture (all of Llama-2/3, Qwen-2/2.5, Qwen-3 dense)::
+
+    h_0 = E[tokens]                                                     E: [V, d]
+    per layer i:
+        x = RMSNorm(h, w_in)
+        q, k, v = x W_q^T (+b_q), x W_k^T (+b_k), x W_v^T (+b_v)        [.., H*hd], [.., G*hd], [.., G*hd]
+        (Qwen3) q, k = RMSNorm_per_head(q, w_qn), RMSNorm_per_head(k, w_kn)
+        q, k = RoPE(q, pos), RoPE(k, pos)
+        a = softmax(q k^T / sqrt(hd) + causal) v        (query head j uses KV head j // (H / G))
+        h = h + a W_o^T
+        x = RMSNorm(h, w_post)
+        h = h + (silu(x W_gate^T) * (x W_up^T)) W_down^T
+    logits = RMSNorm(h, w_final) W_lm^T                                  W_lm: [V, d]
+
+RMSNorm(x, w) = x * rsqrt(mean(x^2) + eps) * w, computed in float32. RoPE uses the HF "rotate half"
+convention (Megatron's default, ``rotary_interleaved=False``): with inv_freq_i = theta^(-2i/hd),
+i = 0..hd/2-1, angles f = pos * inv_freq, cos = [cos f, cos f], sin = [sin f, sin f],
+RoPE(x) = x * cos + rotate_half(x) * sin, rotate_half([x1, x2]) = [-x2, x1].
+
+FP8: every linear computes ``F.linear(scheme.quantize_activation(x), W_q, b)`` where ``W_q`` is the
+weight quantized (and dequantized) once at weight sync. As vLLM does when it quantizes a BF16
+checkpoint online, q/k/v and gate/up are *fused* before quantization (vLLM's ``QKVParallelLinear`` and
+``MergedColumnParallelLinear`` hold one weight tensor and ``scaled_fp8_quant`` gives it one per-tensor
+scale), so a per-tensor scheme shares one scale across q, k and v. Embeddings, norms, attention
+scores/softmax and the LM head stay in high precision (DESIGN section 5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ModelShape",
+    "expected_hf_shapes",
+    "check_hf_state_dict",
+    "rms_norm",
+    "rope_inv_freq",
+    "rope_cos_sin",
+    "apply_rope",
+    "LayerWeights",
+    "RolloutWeights",
+    "KVCache",
+    "build_weights",
+    "forward_full",
+    "forward_prefill",
+    "forward_decode",
+]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape fields the rollout model needs, resolved from a ``ModelConfig`` (defaults filled in)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: Optional[int]
+    norm_epsilon: float
+    rotary_base: float
+    rope_scaling_factor: Optional[float]
+    qk_layernorm: bool
+    qkv_bias: bool
+    linear_bias: bool
+    tied_embeddings: bool
+    seq_length: int
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ModelShape":
+        """Resolve ``cfg`` (a :class:`nemo_fp8rl.config.model.ModelConfig` or anything with its fields).
+
+        Raises ``ValueError`` for shapes or options this engine does not implement, naming the key.
+        """
+        norm = getattr(cfg, "normalization", "RMSNorm")
+        if norm != "RMSNorm":
+            raise ValueError(f"model.normalization={norm!r}: the torch rollout engine implements RMSNorm only")
+        act = getattr(cfg, "activation", "swiglu")
+        if act != "swiglu":
+            raise ValueError(f"model.activation={act!r}: the torch rollout engine implements swiglu only")
+        heads = int(cfg.num_attention_heads)
+        groups = int(cfg.num_query_groups) if cfg.num_query_groups is not None else heads
+        if heads % groups != 0:
+            raise ValueError(
+                f"model.num_attention_heads={heads} is not a multiple of model.num_query_groups={groups}"
+            )
+        if cfg.kv_channels is not None:
+            hd = int(cfg.kv_channels)
+        else:
+            if cfg.hidden_size % heads != 0:
+                raise ValueError(
+                    f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_attention_heads={heads}; "
+                    "set model.kv_channels"
+                )
+            hd = cfg.hidden_size // heads
+        if hd % 2 != 0:
+            raise ValueError(f"head dimension {hd} is odd; RoPE needs an even model.kv_channels")
+        linear_bias = bool(getattr(cfg, "add_bias_linear", False))
+        return cls(
+            num_layers=int(cfg.num_layers),
+            hidden_size=int(cfg.hidden_size),
+            num_heads=heads,
+            num_groups=groups,
+            head_dim=hd,
+            ffn_hidden_size=int(cfg.ffn_hidden_size),
+            vocab_size=None if cfg.vocab_size is None else int(cfg.vocab_size),
+            norm_epsilon=float(cfg.norm_epsilon),
+            rotary_base=float(cfg.rotary_base),
+            rope_scaling_factor=None if cfg.rope_scaling_factor is None else float(cfg.rope_scaling_factor),
+            qk_layernorm=bool(getattr(cfg, "qk_layernorm", False)),
+            qkv_bias=bool(getattr(cfg, "add_qkv_bias", False)) or linear_bias,
+            linear_bias=linear_bias,
+            tied_embeddings=not bool(getattr(cfg, "untie_embeddings_and_output_weights", True)),
+            seq_length=int(getattr(cfg, "seq_length", 1 << 30)),
+        )
+
+
+def expected_hf_shapes(shape: ModelShape, vocab_rows: int) -> dict[str, tuple[int, ...]]:
+    """Every key ``update_weights`` must receive, with its shape (``vocab_rows`` = rows of the embedding).
+
+    ``lm_head.weight`` is listed unless the embeddings are tied (then it is optional; see
+    :func:`check_hf_state_dict`).
+    """
+    d, hd, H, G, f = shape.hidden_size, shape.head_dim, shape.num_heads, shape.num_groups, shape.ffn_hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_rows, d), "model.norm.weight": (d,)}
+    if not shape.tied_embeddings:
+        out["lm_head.weight"] = (vocab_rows, d)
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (d,)
+        out[p + "post_attention_layernorm.weight"] = (d,)
+        out[p + "self_attn.q_proj.weight"] = (H * hd, d)
+        out[p + "self_attn.k_proj.weight"] = (G * hd, d)
+        out[p + "self_attn.v_proj.weight"] = (G * hd, d)
+        out[p + "self_attn.o_proj.weight"] = (d, H * hd)
+        out[p + "mlp.gate_proj.weight"] = (f, d)
+        out[p + "mlp.up_proj.weight"] = (f, d)
+        out[p + "mlp.down_proj.weight"] = (d, f)
+        if shape.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (H * hd,)
+            out[p + "self_attn.k_proj.bias"] = (G * hd,)
+            out[p + "self_attn.v_proj.bias"] = (G * hd,)
+        if shape.linear_bias:
+            out[p + "self_attn.o_proj.bias"] = (d,)
+            out[p + "mlp.gate_proj.bias"] = (f,)
+            out[p + "mlp.up_proj.bias"] = (f,)
+            out[p + "mlp.down_proj.bias"] = (d,)
+        if shape.qk_layernorm:
+            out[p + "self_attn.q_norm.weight"] = (hd,)
+            out[p + "self_attn.k_norm.weight"] = (hd,)
+    return out
+
+
+def check_hf_state_dict(shape: ModelShape, sd: Mapping[str, torch.Tensor]) -> int:
+    """Validate a weight-sync state dict against the model shape; return the vocabulary rows V.
+
+    Raises ``ValueError`` listing every missing, unexpected and mis-shaped key at once (so one failed
+    sync tells the whole story), plus non-tensor or non-floating values and non-finite weights.
+    """
+    emb = sd.get("model.embed_tokens.weight")
+    if not isinstance(emb, torch.Tensor) or emb.dim() != 2:
+        raise ValueError(
+            "weight sync: 'model.embed_tokens.weight' is missing or not a 2-D tensor; the state dict must use "
+            f"Hugging Face Llama/Qwen names (got {len(sd)} keys, e.g. {sorted(sd)[:3]})"
+        )
+    rows = int(emb.shape[0])
+    problems: list[str] = []
+    if shape.vocab_size is not None and rows < shape.vocab_size:
+        problems.append(f"model.embed_tokens.weight has {rows} rows < model.vocab_size={shape.vocab_size}")
+    want = expected_hf_shapes(shape, rows)
+    optional = {"lm_head.weight": (rows, shape.hidden_size)} if shape.tied_embeddings else {}
+    missing = sorted(set(want) - set(sd))
+    extra = sorted(set(sd) - set(want) - set(optional))
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {missing}")
+    if extra:
+        problems.append(
+            f"unexpected keys ({len(extra)}): {extra} (check model.qk_layernorm, model.add_qkv_bias, "
+            "model.add_bias_linear, model.untie_embeddings_and_output_weights, model.num_layers)"
+        )
+    for k, v in sd.items():
+        exp = want.get(k, optional.get(k))
+        if exp is None:
+            continue
+        if not isinstance(v, torch.Tensor) or not torch.is_floating_point(v):
+            problems.append(f"{k}: expected a floating-point tensor, got {type(v).__name__}"
+                            + (f" of dtype {v.dtype}" if isinstance(v, torch.Tensor) else ""))
+        elif tuple(v.shape) != exp:
+            problems.append(f"{k}: shape {tuple(v.shape)}, expected {exp}")
+        elif not bool(torch.isfinite(v).all()):
+            problems.append(f"{k}: contains NaN or Inf")
+    if problems:
+        raise ValueError("weight sync rejected:\n  " + "\n  ".join(problems))
+    return rows
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x * rsqrt(mean(x^2, -1) + eps) * weight``, computed in float32.
+
+    Shapes: ``x`` [..., n], ``weight`` [n] -> [..., n] in ``x``'s dtype.
+    """
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(shape: ModelShape) -> torch.Tensor:
+    """RoPE inverse frequencies, float32 [hd/2]: ``inv_freq_i = 1 / theta^(2i / hd)``.
+
+    With ``rope_scaling_factor`` s (Llama-3.1 scaling, original context 8192, low/high frequency factors
+    1 and 4, as Megatron and HF use by default): wavelength w_i = 2 pi / inv_freq_i; w_i > 8192 (low
+    frequency) -> inv_freq_i / s; w_i < 8192 / 4 (high frequency) -> unchanged; in between blend with
+    mu = (8192 / w_i - 1) / (4 - 1): (1 - mu) inv_freq_i / s + mu inv_freq_i.
+    """
+    hd = shape.head_dim
+    inv = 1.0 / (shape.rotary_base ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    s = shape.rope_scaling_factor
+    if s is None:
+        return inv
+    orig, lo_f, hi_f = 8192.0, 1.0, 4.0
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = orig / lo_f, orig / hi_f
+    scaled = torch.where(wavelen > low_wl, inv / s, inv)
+    mu = (orig / wavelen - lo_f) / (hi_f - lo_f)
+    smooth = (1 - mu) * scaled / s + mu * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return torch.where(medium, smooth, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for integer ``positions`` [...] -> two float32 tensors [..., hd].
+
+    f = positions[..., None] * inv_freq (float32), emb = [f, f], returns (cos emb, sin emb).
+    """
+    f = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin``, rotate_half([x1, x2]) = [-x2, x1].
+
+    Shapes: ``x`` [B, T, n_heads, hd], ``cos``/``sin`` [B, T, hd] (broadcast over heads) -> [B, T, n_heads, hd].
+    """
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    c, s = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    return x * c + rot * s
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights after sync. Linear weights are fused and FP8-quantized-dequantized."""
+
+    input_norm: torch.Tensor  # [d]
+    post_norm: torch.Tensor  # [d]
+    w_qkv: torch.Tensor  # [(H + 2G) * hd, d]
+    b_qkv: Optional[torch.Tensor]  # [(H + 2G) * hd]
+    w_o: torch.Tensor  # [d, H * hd]
+    b_o: Optional[torch.Tensor]
+    w_gate_up: torch.Tensor  # [2f, d]
+    b_gate_up: Optional[torch.Tensor]
+    w_down: torch.Tensor  # [d, f]
+    b_down: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]  # [hd]
+    k_norm: Optional[torch.Tensor]  # [hd]
+
+
+@dataclass
+class RolloutWeights:
+    """All weights of the rollout model (on the engine's device and dtype)."""
+
+    embed: torch.Tensor  # [V, d]
+    lm_head: torch.Tensor  # [V, d]
+    final_norm: torch.Tensor  # [d]
+    layers: list[LayerWeights]
+    inv_freq: torch.Tensor  # [hd/2] float32
+    linear_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per fused linear, what the sync's quantization did: amax of the weight, the scale(s) the scheme
+    reported when it exposes them, and the relative quantization error ||W_q - W|| / ||W||."""
+
+
+def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, dict[str, float]]) -> torch.Tensor:
+    """Quantize one (fused) linear weight [N, K] with the scheme and record what it did in ``stats``."""
+    w32 = w.float()
+    wq = scheme.quantize_weight(w32)
+    if tuple(wq.shape) != tuple(w32.shape):
+        raise ValueError(f"rollout FP8 scheme {scheme!r}.quantize_weight changed the shape of {name}: "
+                         f"{tuple(w32.shape)} -> {tuple(wq.shape)}")
+    rec: dict[str, float] = {
+        "amax": float(w32.abs().max()),
+        "rel_err": float((wq.float() - w32).norm() / w32.norm().clamp_min(1e-30)),
+    }
+    scale_fn = getattr(scheme, "weight_scale", None)
+    if callable(scale_fn):
+        s = torch.as_tensor(scale_fn(w32)).float()
+        rec["scale"] = float(s.reshape(-1)[0]) if s.numel() == 1 else float(s.mean())
+        rec["num_scales"] = float(s.numel())
+    stats[name] = rec
+    return wq
+
+
+def build_weights(
+    shape: ModelShape, sd: Mapping[str, torch.Tensor], scheme: Any, device: torch.device, dtype: torch.dtype
+) -> RolloutWeights:
+    """Validate ``sd`` (HF names), fuse q/k/v and gate/up, quantize the linear weights with ``scheme``.
+
+    ``scheme.quantize_weight`` runs once per fused linear weight per call (= per weight sync), on the
+    float32 weight; the dequantized result is stored in ``dtype`` on ``device``.
+    """
+    check_hf_state_dict(shape, sd)
+
+    def t(key: str) -> torch.Tensor:
+        return sd[key].detach().to(device=device, dtype=torch.float32)
+
+    def hp(key: str) -> torch.Tensor:  # high-precision tensors (norms, biases, embeddings)
+        return sd[key].detach().to(device=device, dtype=dtype)
+
+    stats: dict[str, dict[str, float]] = {}
+    layers = []
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        w_qkv = torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")], dim=0)
+        w_gu = torch.cat([t(m + "gate_proj.weight"), t(m + "up_proj.weight")], dim=0)
+        layers.append(
+            LayerWeights(
+                input_norm=hp(p + "input_layernorm.weight"),
+                post_norm=hp(p + "post_attention_layernorm.weight"),
+                w_qkv=_quantize_linear(scheme, a + "qkv_proj", w_qkv, stats).to(dtype),
+                b_qkv=torch.cat([hp(a + "q_proj.bias"), hp(a + "k_proj.bias"), hp(a + "v_proj.bias")])
+                if shape.qkv_bias else None,
+                w_o=_quantize_linear(scheme, a + "o_proj", t(a + "o_proj.weight"), stats).to(dtype),
+                b_o=hp(a + "o_proj.bias") if shape.linear_bias else None,
+                w_gate_up=_quantize_linear(scheme, m + "gate_up_proj", w_gu, stats).to(dtype),
+                b_gate_up=torch.cat([hp(m + "gate_proj.bias"), hp(m + "up_proj.bias")]) if shape.linear_bias else None,
+                w_down=_quantize_linear(scheme, m + "down_proj", t(m + "down_proj.weight"), stats).to(dtype),
+                b_down=hp(m + "down_proj.bias") if shape.linear_bias else None,
+                q_norm=hp(a + "q_norm.weight") if shape.qk_layernorm else None,
+                k_norm=hp(a + "k_norm.weight") if shape.qk_layernorm else None,
+            )
+        )
+    embed = hp("model.embed_tokens.weight")
+    lm_head = hp("lm_head.weight") if "lm_head.weight" in sd else embed
+    return RolloutWeights(
+        embed=embed,
+        lm_head=lm_head,
+        final_norm=hp("model.norm.weight"),
+        layers=layers,
+        inv_freq=rope_inv_freq(shape).to(device),
+        linear_stats=stats,
+    )
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys and values per layer: ``k[i]``, ``v[i]`` of shape [B, G, S, hd].
+
+    Row b holds the keys of its own sequence at positions 0..(its length - 1); positions beyond are
+    stale and masked out by the attention until overwritten.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls, shape: ModelShape, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> "KVCache":
+        dims = (batch, shape.num_groups, max_len, shape.head_dim)
+        return cls(
+            k=[torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.num_layers)],
+            v=[torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.num_layers)],
+        )
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (LongTensor [B']) - used when sequences finish."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+
+
+def _linear(scheme: Any, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """FP8 (emulated) linear: ``quantize_activation(x) @ W_q^T + b``; x [..., K], W_q [N, K] -> [..., N]."""
+    return F.linear(scheme.quantize_activation(x), w, b)
+
+
+def _qkv(shape: ModelShape, lw: LayerWeights, scheme: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Project, (QK-)normalise and rotate: x [B, T, d] -> q [B, H, T, hd], k and v [B, G, T, hd]."""
+    B, T, _ = x.shape
+    H, G, hd = shape.num_heads, shape.num_groups, shape.head_dim
+    qkv = _linear(scheme, rms_norm(x, lw.input_norm, shape.norm_epsilon), lw.w_qkv, lw.b_qkv)
+    q, k, v = qkv.split([H * hd, G * hd, G * hd], dim=-1)
+    q, k, v = q.view(B, T, H, hd), k.view(B, T, G, hd), v.view(B, T, G, hd)
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, shape.norm_epsilon)
+        k = rms_norm(k, lw.k_norm, shape.norm_epsilon)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _attend(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]):
+    """softmax(q k^T / sqrt(hd) + mask) v with grouped KV heads; causal when ``mask`` is None.
+
+    Shapes: q [B, H, Tq, hd]; k, v [B, G, S, hd]; mask bool [B, 1, Tq, S] (True = attend) -> [B, Tq, H*hd].
+    """
+    rep = shape.num_heads // shape.num_groups
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    B, _, Tq, _ = o.shape
+    return o.transpose(1, 2).reshape(B, Tq, -1)
+
+
+def _mlp_and_residual(shape: ModelShape, lw: LayerWeights, scheme: Any, h: torch.Tensor, a: torch.Tensor):
+    """h + o_proj(a), then + down(silu(gate x) * up x) with x = RMSNorm(h). Shapes [B, T, d]."""
+    h = h + _linear(scheme, a, lw.w_o, lw.b_o)
+    x = rms_norm(h, lw.post_norm, shape.norm_epsilon)
+    g, u = _linear(scheme, x, lw.w_gate_up, lw.b_gate_up).chunk(2, dim=-1)
+    return h + _linear(scheme, F.silu(g) * u, lw.w_down, lw.b_down)
+
+
+def _logits(shape: ModelShape, w: RolloutWeights, h: torch.Tensor) -> torch.Tensor:
+    """Final RMSNorm and LM head in float32: h [..., d] -> logits [..., V] float32 (not quantized)."""
+    return F.linear(rms_norm(h, w.final_norm, shape.norm_epsilon).float(), w.lm_head.float())
+
+
+def forward_full(shape: ModelShape, w: RolloutWeights, scheme: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """No-cache causal forward of whole sequences: tokens [B, T] (positions 0..T-1) -> logits [B, T, V] fp32.
+
+    The reference path: generation with the KV cache must reproduce these logits.
+    """
+    B, T = tokens.shape
+    pos = torch.arange(T, device=tokens.device).expand(B, T)
+    cos, sin = rope_cos_sin(pos, w.inv_freq)
+    h = w.embed[tokens]
+    for lw in w.layers:
+        q, k, v = _qkv(shape, lw, scheme, h, cos, sin)
+        h = _mlp_and_residual(shape, lw, scheme, h, _attend(shape, q, k, v, None))
+    return _logits(shape, w, h)
+
+
+def forward_prefill(
+    shape: ModelShape, w: RolloutWeights, scheme: Any, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
+    """Run right-padded prompts, fill ``cache`` positions 0..P-1, return logits at each prompt's last token.
+
+    Shapes: tokens [B, P] (row b valid for t < lengths[b]), lengths [B] -> logits [B, V] float32 at
+    position lengths[b] - 1. Causal attention means the padding after a prompt never reaches its tokens.
+    """
+    B, P = tokens.shape
+    pos = torch.arange(P, device=tokens.device).expand(B, P)
+    cos, sin = rope_cos_sin(pos, w.inv_freq)
+    h = w.embed[tokens]
+    for i, lw in enumerate(w.layers):
+        q, k, v = _qkv(shape, lw, scheme, h, cos, sin)
+        cache.k[i][:, :, :P] = k
+        cache.v[i][:, :, :P] = v
+        h = _mlp_and_residual(shape, lw, scheme, h, _attend(shape, q, k, v, None))
+    last = h[torch.arange(B, device=h.device), lengths - 1]
+    return _logits(shape, w, last)
+
+
+def forward_decode(
+    shape: ModelShape, w: RolloutWeights, scheme: Any, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
+    """One incremental step: token ``tokens[b]`` at position ``positions[b]`` -> next-token logits [B, V].
+
+    Writes the new keys/values at ``positions[b]`` of row b, then attends to cache positions
+    0..positions[b] of that row (ragged rows: each has its own length). Shapes: tokens, positions [B].
+    """
+    B = tokens.shape[0]
+    rows = torch.arange(B, device=tokens.device)
+    cos, sin = rope_cos_sin(positions.unsqueeze(1), w.inv_freq)  # [B, 1, hd]
+    S = int(positions.max()) + 1
+    mask = (torch.arange(S, device=tokens.device).unsqueeze(0) <= positions.unsqueeze(1)).view(B, 1, 1, S)
+    h = w.embed[tokens].unsqueeze(1)  # [B, 1, d]
+    for i, lw in enumerate(w.layers):
+        q, k, v = _qkv(shape, lw, scheme, h, cos, sin)
+        cache.k[i][rows, :, positions] = k[:, :, 0]
+        cache.v[i][rows, :, positions] = v[:, :, 0]
+        a = _attend(shape, q, cache.k[i][:, :, :S], cache.v[i][:, :, :S], mask)
+        h = _mlp_and_residual(shape, lw, scheme, h, a)
+    return _logits(shape, w, h[:, 0])

@@ -1,0 +1,220 @@
+"""The in-process rollout engine ("torch"): batched incremental decoding with a KV cache and its own FP8.
+
+How a step goes (the way vLLM serves a batch, without its paging and continuous batching):
+
+1. ``update_weights(hf_state_dict)``: validate names and shapes, fuse q/k/v and gate/up, quantize every
+   linear weight once with the rollout FP8 scheme (the per-weight scales are recomputed from the new
+   weights on every sync, as an inference engine does when the trainer pushes BF16 weights).
+2. ``generate``: prompts of different lengths are right-padded and prefilled in one causal forward that
+   fills a preallocated KV cache [B, G, P + N, hd] per layer. Then one token per step: each row writes its
+   new key/value at its own position (prompt length + step) and attends to its own prefix, so ragged
+   prompts need no left padding and the positions seen by RoPE are the trainer's (0-based from the
+   prompt's first token). Rows that sample EOS leave the batch (their cache rows are dropped).
+3. The result is a :class:`~nemo_fp8rl.rollout.base.RolloutBatch` in the trainer's layout.
+
+Cost: prefill O(B P^2) attention + O(B P) linears; each decode step O(B S) attention + O(B) linears,
+instead of O(B S^2) + O(B S) without a cache (S = current length). :meth:`forward` is the no-cache path
+(used by tests to check the cache path).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from nemo_fp8rl.rollout.base import RolloutBatch, SamplingParams, register_rollout_engine
+from nemo_fp8rl.rollout.model import (
+    KVCache,
+    ModelShape,
+    RolloutWeights,
+    build_weights,
+    forward_decode,
+    forward_full,
+    forward_prefill,
+)
+from nemo_fp8rl.rollout.sampling import sample_next
+
+__all__ = ["TorchRolloutEngine", "resolve_rollout_scheme"]
+
+
+def resolve_rollout_scheme(fp8_scheme: Any, train_recipe: Any = None) -> Any:
+    """Turn ``rollout.fp8.scheme`` into a scheme object with ``quantize_weight`` / ``quantize_activation``.
+
+    A string is looked up with :func:`nemo_fp8rl.fp8.get_rollout_scheme`; an object that already has
+    both methods is used as is (custom schemes, tests).
+    """
+    if callable(getattr(fp8_scheme, "quantize_weight", None)) and callable(getattr(fp8_scheme, "quantize_activation", None)):
+        return fp8_scheme
+    if not isinstance(fp8_scheme, str):
+        raise TypeError(
+            f"rollout.fp8.scheme must be a scheme name (str) or an object with quantize_weight and "
+            f"quantize_activation; got {type(fp8_scheme).__name__}"
+        )
+    from nemo_fp8rl.fp8 import get_rollout_scheme
+
+    return get_rollout_scheme(fp8_scheme, train_recipe=train_recipe)
+
+
+class TorchRolloutEngine:
+    """In-process sampler over the actor's weights with its own FP8 scheme (see the module docstring).
+
+    Args:
+        model_cfg: :class:`nemo_fp8rl.config.model.ModelConfig` of the policy.
+        fp8_scheme: rollout FP8 scheme name or object (:func:`resolve_rollout_scheme`).
+        train_recipe: training FP8 recipe (only for ``"same_as_train"``).
+        eos_id, pad_id: end-of-sequence and padding token ids.
+        device: where the weights, cache and forward live (outputs are returned on CPU).
+        dtype: compute dtype of activations and stored weights (float32 on CPU; bfloat16 on GPU).
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        model_cfg: Any,
+        *,
+        fp8_scheme: Any,
+        train_recipe: Any = None,
+        eos_id: int,
+        pad_id: int,
+        device: "str | torch.device" = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.shape = ModelShape.from_config(model_cfg)
+        self.scheme = resolve_rollout_scheme(fp8_scheme, train_recipe)
+        self.scheme_name = fp8_scheme if isinstance(fp8_scheme, str) else type(fp8_scheme).__name__
+        self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.weights: Optional[RolloutWeights] = None
+        self.weights_version = 0
+        """Number of weight syncs received so far."""
+
+    # ---------------------------------------------------------------- weights
+    def update_weights(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+        """Replace the weights (HF Llama/Qwen names, any order) and re-quantize them for the FP8 scheme.
+
+        Returns the per-linear record of this sync (``amax``, relative quantization error ``rel_err``,
+        and the ``scale`` when the scheme reports it), also kept as :attr:`last_sync`.
+        """
+        self.weights = build_weights(self.shape, hf_state_dict, self.scheme, self.device, self.dtype)
+        self.weights_version += 1
+        return self.weights.linear_stats
+
+    @property
+    def last_sync(self) -> dict[str, dict[str, float]]:
+        """Per fused linear, what the last weight sync's quantization did (empty before the first sync)."""
+        return {} if self.weights is None else self.weights.linear_stats
+
+    @property
+    def vocab_rows(self) -> int:
+        return int(self._w().embed.shape[0])
+
+    def _w(self) -> RolloutWeights:
+        if self.weights is None:
+            raise RuntimeError("the rollout engine has no weights yet: call update_weights(actor.export_weights()) first")
+        return self.weights
+
+    # ---------------------------------------------------------------- reference path
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """No-cache full-sequence forward: tokens LongTensor [B, T] -> logits float32 [B, T, V] (on CPU)."""
+        self._check_ids(tokens, "tokens")
+        return forward_full(self.shape, self._w(), self.scheme, tokens.to(self.device)).cpu()
+
+    @torch.no_grad()
+    def logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Teacher-forced log-probs of ``tokens`` [B, T] under this engine -> float32 [B, T].
+
+        out[b, t] = log_softmax(logits[b, t - 1] / temperature)[tokens[b, t]] for t >= 1; out[b, 0] = 0.
+        (Same alignment as ``RolloutBatch.rollout_logp``; mask it with the response mask.)
+        """
+        logits = self.forward(tokens)
+        lp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+    def _check_ids(self, tokens: torch.Tensor, what: str) -> None:
+        V = self.vocab_rows
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{what} must be an integer tensor, got {tokens.dtype}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= V):
+            raise ValueError(f"{what} has ids outside [0, {V}) (min {int(tokens.min())}, max {int(tokens.max())})")
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator
+    ) -> RolloutBatch:
+        """Sample one response per prompt with the KV cache; see :class:`~nemo_fp8rl.rollout.base.RolloutBatch`.
+
+        ``prompts``: B lists of token ids (each non-empty, lengths may differ). ``generator`` drives all
+        randomness (same weights, prompts, params and generator state -> identical batch).
+        """
+        w = self._w()
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generate() needs a torch.Generator for reproducible sampling, got {type(generator).__name__}")
+        if len(prompts) == 0:
+            raise ValueError("generate() got no prompts")
+        lens_list = [len(p) for p in prompts]
+        if min(lens_list) == 0:
+            raise ValueError(f"prompt {lens_list.index(0)} is empty; every prompt needs at least one token (BOS)")
+        B, P, N = len(prompts), max(lens_list), params.max_new_tokens
+        if P + N > self.shape.seq_length:
+            raise ValueError(
+                f"longest prompt ({P} tokens) + rollout.max_new_tokens ({N}) = {P + N} exceeds model.seq_length "
+                f"= {self.shape.seq_length}; lower rollout.max_new_tokens or the task's max_prompt_len, or raise "
+                "model.seq_length"
+            )
+        lens = torch.tensor(lens_list, dtype=torch.long)
+        tokens = torch.full((B, P + N), self.pad_id, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        self._check_ids(tokens[:, :P], "prompts")
+        logp = torch.zeros((B, P + N), dtype=torch.float32)
+        resp = torch.zeros(B, dtype=torch.long)
+        finished = torch.zeros(B, dtype=torch.bool)
+
+        cache = KVCache.empty(self.shape, B, P + N, self.device, self.dtype)
+        logits = forward_prefill(self.shape, w, self.scheme, tokens[:, :P].to(self.device), lens.to(self.device), cache)
+        rows = torch.arange(B)  # original batch index of each live cache row
+        for step in range(N):
+            tok, lp = sample_next(logits, params.temperature, params.top_p, generator)
+            tok_cpu = tok.cpu()
+            pos = lens[rows] + step
+            tokens[rows, pos] = tok_cpu
+            logp[rows, pos] = lp.float().cpu()
+            resp[rows] += 1
+            if step == N - 1:
+                break
+            if params.stop_on_eos:
+                done = tok_cpu == self.eos_id
+                if bool(done.any()):
+                    keep = (~done).nonzero().squeeze(1)
+                    if keep.numel() == 0:
+                        break
+                    rows, pos = rows[keep], pos[keep]
+                    keep_dev = keep.to(self.device)
+                    cache.select_rows(keep_dev)
+                    tok = tok[keep_dev]
+            logits = forward_decode(self.shape, w, self.scheme, tok, pos.to(self.device), cache)
+        if params.stop_on_eos:
+            # A row stopped on EOS iff its last response token is EOS (with stop_on_eos, nothing follows one).
+            finished = tokens[torch.arange(B), lens + resp - 1] == self.eos_id
+
+        T = int((lens + resp).max())
+        pos = torch.arange(T).unsqueeze(0)
+        mask = ((pos >= lens.unsqueeze(1)) & (pos < (lens + resp).unsqueeze(1))).float()
+        return RolloutBatch(
+            tokens=tokens[:, :T].contiguous(),
+            prompt_lens=lens,
+            response_lens=resp,
+            mask=mask,
+            rollout_logp=logp[:, :T] * mask,
+            finished=finished,
+        )
+
+
+@register_rollout_engine("torch")
+def _make_torch_engine(model_cfg: Any, **kw: Any) -> TorchRolloutEngine:
+    return TorchRolloutEngine(model_cfg, **kw)
