@@ -153,7 +153,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         y = fp8_gemm(xq, wq, recipe, fast=recipe.accumulation == "fast")
         if bias is not None:
             y = y + bias.float()
-        per_tensor = recipe.granularity_for("input") == "tensor"
+        per_tensor = recipe.granularity_for("input") == "tensor" and recipe.wgrad_fp8
         weight_tiles = recipe.granularity_for("weight") not in ("row", "mx")
         # Per-tensor scales and 2-D weight tiles are the same in both orientations: reuse the forward
         # FP8 values in backward (as TE does); otherwise keep the raw operand and quantize along the
