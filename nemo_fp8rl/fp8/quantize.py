@@ -114,13 +114,20 @@ class Fp8Stats:
         self.numel = torch.zeros((), dtype=torch.int64)
         self.nonfinite_amax = torch.zeros((), dtype=torch.int64)
 
-    def add(self, scaled: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format) -> None:
+    def add(self, scaled: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format, current: bool) -> None:
+        """Count one quantization. ``current``: the scale came from this tensor's own amax.
+
+        With a current scale no finite element can exceed M (s * amax <= M by construction), so the
+        element-wise overflow pass is needed only for a given (delayed) scale; non-finite groups are
+        counted from the per-group amax either way.
+        """
         dev = self.saturated.device
         if scaled.device != dev:
             self.saturated, self.numel, self.nonfinite_amax = (
                 t.to(scaled.device) for t in (self.saturated, self.numel, self.nonfinite_amax)
             )
-        self.saturated += (scaled.abs() > fmt.max).sum()
+        if not current:
+            self.saturated += (scaled.abs() > fmt.max).sum()
         self.numel += scaled.numel()
         self.nonfinite_amax += (~torch.isfinite(amax)).sum()
 
@@ -200,7 +207,7 @@ def _quantize_groups(
         )
     scaled = grouped * s
     if stats is not None:
-        stats.add(scaled, amax, f)
+        stats.add(scaled, amax, f, current=scale is None)
     return cast_to_fp8(scaled, f), s
 
 

@@ -1,0 +1,43 @@
+"""Markers: ``gpu`` (needs CUDA), ``slurm`` (needs a running SLURM), ``slow`` (opt-in with --run-slow)."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+# Tests run on 2 cores next to their own worker processes: keep intra-op threads modest and fixed
+# so runs are deterministic and do not oversubscribe.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False, help="run tests marked slow")
+
+
+def _slurm_up() -> str:
+    if shutil.which("sinfo") is None:
+        return "SLURM is not installed (scripts/slurm_local.sh installs and starts a one-node cluster)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
+    except Exception as e:  # noqa: BLE001
+        return f"sinfo failed: {e}"
+    if out.returncode != 0 or not out.stdout.strip():
+        return f"no SLURM controller answering ({out.stderr.strip()[:200]})"
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--run-slow") or os.environ.get("NEMO_FP8RL_RUN_SLOW") == "1"
+    slurm_reason = None
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow test: run with --run-slow or NEMO_FP8RL_RUN_SLOW=1"))
+        if "slurm" in item.keywords:
+            if slurm_reason is None:
+                slurm_reason = _slurm_up()
+            if slurm_reason:
+                item.add_marker(pytest.mark.skip(reason=slurm_reason))
