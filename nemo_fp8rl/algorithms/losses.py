@@ -205,7 +205,7 @@ def kl_penalty(
     check_same_shape("logp", logp, ref_logp=ref_logp)
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {list(KL_KINDS)}")
-    d = logp.float() - ref_logp.float()
+    d = _up(logp) - _up(ref_logp)
     if input_clamp is not None:
         c = check_number("input_clamp", input_clamp, low=0.0, low_open=True)
         d = d.clamp(-c, c)
@@ -222,7 +222,7 @@ def kl_penalty(
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution over the last dimension, in float32.
+    """Entropy of the softmax distribution over the last dimension, in float32 (or float64 for float64 logits).
 
     H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v with p = softmax(z). Tokens with z = -inf
     (masked vocabulary) contribute 0. Shape: ``[..., vocab]`` -> ``[...]``. This needs the full
@@ -230,7 +230,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ValueError("logits must be a tensor of shape [..., vocab]")
-    z = logits.float()
+    z = _up(logits)
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
     plogp = torch.where(p > 0, p * logp, torch.zeros((), device=z.device))
@@ -240,6 +240,11 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 # Policy losses
 # ---------------------------------------------------------------------------------------------------
+
+
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (bf16/fp16 log-probs are upcast; float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _check_bounds(lower: object, upper: object, dual_clip: object) -> None:
@@ -260,7 +265,7 @@ def _prepare(logp, old_logp, advantages, mask, weights):
     check_2d("logp", logp)
     check_same_shape("logp", logp, old_logp=old_logp, weights=weights)
     m = as_bool_mask(mask, logp)
-    adv = expand_advantages(advantages, logp).float()
+    adv = _up(expand_advantages(advantages, logp))
     return m, adv
 
 
@@ -295,13 +300,13 @@ def _policy_metrics(
     clipped: bool,
 ) -> dict[str, Metric]:
     with torch.no_grad():
-        log_ratio = log_ratio.detach().float()
+        log_ratio = log_ratio.detach()
         ratio = log_ratio.exp()
         neg = m & (adv < 0)
         pos = m & (adv > 0)
         n_neg = neg.sum().clamp(min=1)
         n_pos = pos.sum().clamp(min=1)
-        zero = torch.zeros((), device=ratio.device)
+        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
         if clipped:
             low_frac = (neg & (ratio < lower)).sum() / n_neg
             high_frac = (pos & (ratio > upper)).sum() / n_pos
@@ -310,9 +315,9 @@ def _policy_metrics(
             low_frac = high_frac = dual_frac = zero
         as_t = lambda b: torch.as_tensor(b, dtype=torch.float32, device=ratio.device).detach().reshape(())  # noqa: E731
         return {
-            "clip/low_frac": (low_frac.float(), "mean"),
-            "clip/high_frac": (high_frac.float(), "mean"),
-            "clip/dual_frac": (dual_frac.float(), "mean"),
+            "clip/low_frac": (low_frac.to(ratio.dtype), "mean"),
+            "clip/high_frac": (high_frac.to(ratio.dtype), "mean"),
+            "clip/dual_frac": (dual_frac.to(ratio.dtype), "mean"),
             "clip/lower": (as_t(lower), "mean"),
             "clip/upper": (as_t(upper), "mean"),
             "policy/ratio_mean": (masked_mean(ratio, m), "mean"),
@@ -365,7 +370,7 @@ def ppo_clip_loss(
     """
     _check_bounds(lower, upper, dual_clip)
     m, adv = _prepare(logp, old_logp, advantages, mask, weights)
-    log_ratio = (logp.float() - old_logp.float().detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = (_up(logp) - _up(old_logp).detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     loss_mat = clipped_surrogate(log_ratio.exp(), adv, lower, upper, dual_clip)
     loss = _finish(loss_mat, m, weights, agg_mode, global_tokens, global_seqs, norm_len)
     return loss, _policy_metrics(log_ratio, adv, m, lower, upper, dual_clip, clipped=True)
@@ -396,9 +401,9 @@ def reinforce_loss(
     """
     _check_bounds(lower, upper, dual_clip)
     m, adv = _prepare(logp, old_logp, advantages, mask, weights)
-    loss_mat = -adv * logp.float()
+    loss_mat = -adv * _up(logp)
     loss = _finish(loss_mat, m, weights, agg_mode, global_tokens, global_seqs, norm_len)
-    log_ratio = (logp.detach().float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = (_up(logp.detach()) - _up(old_logp)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return loss, _policy_metrics(log_ratio, adv, m, lower, upper, dual_clip, clipped=False)
 
 
@@ -430,8 +435,8 @@ def gspo_loss(
     """
     _check_bounds(lower, upper, dual_clip)
     m, adv = _prepare(logp, old_logp, advantages, mask, weights)
-    lp = logp.float()
-    tok_log_ratio = lp - old_logp.float().detach()
+    lp = _up(logp)
+    tok_log_ratio = lp - _up(old_logp).detach()
     seq_log_ratio = masked_sum(tok_log_ratio.detach(), m, dim=-1) / m.sum(-1).clamp(min=1)
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = seq_log_ratio.unsqueeze(-1) + lp - lp.detach()
