@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,32 +35,8 @@ def test_metrics_to_floats_mixed_inputs_keep_order():
     assert list(out) == ["b", "a", "c"] and out == {"b": 2.5, "a": 1.0, "c": 3.0}
 
 
-def _dist_reduce(rank, world):
-    import torch.distributed as dist
-
-    calls = []
-    orig = dist.all_reduce
-
-    def counting(*a, **k):
-        calls.append(1)
-        return orig(*a, **k)
-
-    dist.all_reduce = counting
-    try:
-        mbs = [
-            {"loss": make_metric(float(rank + i), "mean"), "tok": make_metric(10.0 * (rank + 1), "sum"),
-             "kl": make_metric(0.5 * rank, "mean"), "rmin": make_metric(1.0 - rank - i, "min"),
-             "rmax": make_metric(rank + 2.0 * i, "max")}
-            for i in range(2)
-        ]
-        out = metrics_to_floats(reduce_metrics(mbs, group=dist.group.WORLD))
-    finally:
-        dist.all_reduce = orig
-    return out, len(calls)
-
-
 def test_all_reduce_over_two_gloo_ranks_one_collective_per_kind():
-    results = run_gloo(_dist_reduce)
+    results = run_gloo(Path(__file__).parent / "_dist_cases.py", "reduce_case")
     # rank0 loss mbs 0,1 -> 0.5 ; rank1 -> 1.5 ; mean 1.0
     expected = {"loss": 1.0, "tok": 10.0 * 2 + 20.0 * 2, "kl": 0.25, "rmin": -1.0, "rmax": 3.0}
     for out, ncalls in results:
