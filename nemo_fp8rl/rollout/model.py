@@ -305,7 +305,7 @@ def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, d
         "amax": float(w32.abs().max()),
         "rel_err": float((wq.float() - w32).norm() / w32.norm().clamp_min(1e-30)),
     }
-    scale_fn = getattr(scheme, "weight_scale", None)
+    scale_fn = getattr(scheme, "weight_scales", None)  # optional hook: the scale(s) the scheme uses for w
     if callable(scale_fn):
         s = torch.as_tensor(scale_fn(w32)).float()
         rec["scale"] = float(s.reshape(-1)[0]) if s.numel() == 1 else float(s.mean())
@@ -393,7 +393,7 @@ class KVCache:
 
 def _linear(scheme: Any, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """FP8 (emulated) linear: ``quantize_activation(x) @ W_q^T + b``; x [..., K], W_q [N, K] -> [..., N]."""
-    return F.linear(scheme.quantize_activation(x), w, b)
+    return F.linear(scheme.quantize_activation(x).to(w.dtype), w, b)
 
 
 def _qkv(shape: ModelShape, lw: LayerWeights, scheme: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
