@@ -1,0 +1,43 @@
+"""Verifiable tasks: prompts with ground truth, tokenizers, reward functions run safely.
+
+``get_task("arithmetic", digits=3)`` or ``get_task("math_jsonl", path="data.jsonl")`` builds a
+:class:`Task`; see :mod:`nemo_fp8rl.tasks.base` for the interface.
+
+The names below are loaded lazily (PEP 562): the reward worker process imports
+``nemo_fp8rl.tasks.reward_runner`` and ``nemo_fp8rl.tasks.rewards``, which need only the standard
+library, and must not pay for importing torch through this package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Task": "base",
+    "Tokenizer": "base",
+    "CharTokenizer": "base",
+    "Prompt": "base",
+    "Scores": "base",
+    "get_task": "base",
+    "register_task": "base",
+    "task_names": "base",
+    "pad_examples": "base",
+    "ArithmeticTask": "arithmetic",
+    "MathJsonlTask": "math_jsonl",
+    "JsonlDataError": "math_jsonl",
+    "RewardRunner": "reward_runner",
+    "RewardResult": "reward_runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"nemo_fp8rl.tasks.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'nemo_fp8rl.tasks' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

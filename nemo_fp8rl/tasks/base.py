@@ -1,0 +1,292 @@
+"""Task interface: prompts with ground truth, a tokenizer, rewards run safely, a well-formedness check.
+
+A task is what an RL run optimises: it hands out prompts (token ids + text + ground-truth answer),
+scores the sampled responses (``score``), says whether a response is well-formed (``is_valid``, the
+garbled-output metric ``rollout/invalid_frac``), and provides supervised warm-up examples so RL starts
+from a policy that is right part of the time (``warmup_examples``). Its position in the data stream is
+part of the checkpoint (``state_dict`` / ``load_state_dict``) so a resumed run sees the same prompts.
+
+Reward functions run in a separate worker process with a per-call timeout
+(:mod:`nemo_fp8rl.tasks.reward_runner`): a reward that raises, hangs or crashes scores 0 and is counted
+in ``reward/errors``; training goes on.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from nemo_fp8rl.algorithms.metrics import Metric, make_metric
+from nemo_fp8rl.tasks.reward_runner import RewardRunner
+
+__all__ = [
+    "Tokenizer",
+    "CharTokenizer",
+    "Prompt",
+    "Scores",
+    "Task",
+    "register_task",
+    "get_task",
+    "task_names",
+    "pad_examples",
+]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The small tokenizer interface tasks, trainer and rollout rely on (a HF tokenizer adapter fits it)."""
+
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class CharTokenizer:
+    """One token per character, after three special tokens: ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2.
+
+    ``encode`` adds no special tokens and rejects characters outside the vocabulary (naming them and
+    their position). ``decode`` renders special ids as ``<pad>``/``<bos>``/``<eos>`` and ids outside the
+    vocabulary as ``<unk:ID>``, so a response that contains them is visibly ill-formed.
+    """
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        chars = list(chars)
+        if any(not isinstance(c, str) or len(c) != 1 for c in chars):
+            raise ValueError("CharTokenizer needs single characters")
+        if len(set(chars)) != len(chars):
+            dup = sorted({c for c in chars if chars.count(c) > 1})
+            raise ValueError(f"CharTokenizer got duplicate characters {dup!r}")
+        self.chars = chars
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self._ids = {c: i + len(self.SPECIALS) for i, c in enumerate(chars)}
+        self.vocab_size = len(self.SPECIALS) + len(chars)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._ids[c] for c in text]
+        except KeyError:
+            bad = sorted({c for c in text if c not in self._ids})
+            pos = next(i for i, c in enumerate(text) if c not in self._ids)
+            raise ValueError(
+                f"characters {bad!r} are not in the tokenizer's vocabulary (first at position {pos} of {text[:60]!r})"
+            ) from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        n = len(self.SPECIALS)
+        out = []
+        for i in ids:
+            i = int(i)
+            if 0 <= i < n:
+                out.append(self.SPECIALS[i])
+            elif n <= i < self.vocab_size:
+                out.append(self.chars[i - n])
+            else:
+                out.append(f"<unk:{i}>")
+        return "".join(out)
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+@dataclass
+class Prompt:
+    """One prompt: ``ids`` (token ids, BOS first), its ``text`` (without BOS) and the ground-truth ``answer``."""
+
+    ids: list[int]
+    text: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Where it came from (e.g. ``{"source": "data.jsonl:17"}``) and other task-specific facts."""
+
+
+@dataclass
+class Scores:
+    """Rewards of a batch of responses. Shapes: ``rewards`` float32 [n], ``correct`` and ``invalid`` bool [n].
+
+    ``errors`` counts reward calls that raised, timed out, crashed or returned a non-number (they score
+    0); ``error_messages`` keeps the first few for the log.
+    """
+
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    invalid: torch.Tensor
+    errors: int
+    error_messages: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, Metric]:
+        """``reward/mean``, ``reward/accuracy``, ``rollout/invalid_frac`` (means) and ``reward/errors`` (sum)."""
+        n = max(int(self.rewards.numel()), 1)
+        return {
+            "reward/mean": make_metric(self.rewards.float().sum() / n, "mean"),
+            "reward/accuracy": make_metric(self.correct.float().sum() / n, "mean"),
+            "reward/errors": make_metric(float(self.errors), "sum"),
+            "rollout/invalid_frac": make_metric(self.invalid.float().sum() / n, "mean"),
+        }
+
+
+def pad_examples(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad full sequences into ``tokens`` LongTensor [n, T] and ``loss_mask`` FloatTensor [n, T].
+
+    loss_mask[b, t] = 1 for prompt_lens[b] <= t < len(seqs[b]) (the response tokens, EOS included), the
+    same convention as ``RolloutBatch.mask``: the loss at t is -log p(tokens[t] | tokens[:t]).
+    """
+    T = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.float32)
+    for b, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        tokens[b, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[b, p : len(s)] = 1.0
+    return tokens, mask
+
+
+class Task(ABC):
+    """Base of all tasks. Subclasses set ``name``, ``tokenizer``, ``reward_fn`` and implement the abstract
+    methods; :meth:`score` is shared (runs ``reward_fn(response, answer)`` in the reward worker).
+
+    Args:
+        seed: seed of the task's own prompt stream (used when ``prompts`` gets no generator).
+        reward_timeout_s: seconds one reward call may take before it scores 0 and counts as an error.
+    """
+
+    name: str = "task"
+    tokenizer: Tokenizer
+
+    def __init__(self, *, seed: int = 0, reward_timeout_s: float = 10.0) -> None:
+        self.seed = int(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        """The task's own prompt-stream RNG (saved in ``state_dict``)."""
+        self.warmup_generator = torch.Generator().manual_seed(self.seed + 1)
+        """RNG of ``warmup_examples`` when it gets no generator (separate, so warm-up leaves the prompt
+        stream untouched; saved in ``state_dict``)."""
+        self.reward_timeout_s = float(reward_timeout_s)
+        self._runner: Optional[RewardRunner] = None
+        self.prompts_served = 0
+
+    # ---------------------------------------------------------------- to implement
+    @property
+    @abstractmethod
+    def reward_fn(self) -> Callable[[str, str], Any]:
+        """Picklable ``f(response_text, answer) -> reward | (reward, correct)`` run in the reward worker."""
+
+    @abstractmethod
+    def prompts(self, n: int, generator: Optional[torch.Generator] = None) -> list[Prompt]:
+        """The next ``n`` prompts (from ``generator``, else from the task's own stream, which advances)."""
+
+    @abstractmethod
+    def is_valid(self, text: str) -> bool:
+        """Whether a response (decoded, up to its EOS) is well-formed; feeds ``rollout/invalid_frac``."""
+
+    @abstractmethod
+    def warmup_examples(self, n: int, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` supervised examples: ``(tokens [n, T] long, loss_mask [n, T] float)`` (see :func:`pad_examples`)."""
+
+    # ---------------------------------------------------------------- shared
+    def _gen(self, generator: Optional[torch.Generator], warmup: bool = False) -> torch.Generator:
+        if generator is not None:
+            return generator
+        return self.warmup_generator if warmup else self.generator
+
+    def response_text(self, ids: Sequence[int]) -> str:
+        """Decode a response: the tokens before its first EOS (the EOS itself and anything after dropped)."""
+        ids = [int(i) for i in ids]
+        if self.tokenizer.eos_id in ids:
+            ids = ids[: ids.index(self.tokenizer.eos_id)]
+        return self.tokenizer.decode(ids)
+
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> Scores:
+        """Score ``responses[i]`` against ``prompts[i].answer``; see :class:`Scores`.
+
+        The reward function runs in the reward worker with a ``reward_timeout_s`` deadline per call.
+        """
+        if len(prompts) != len(responses):
+            raise ValueError(f"score() got {len(prompts)} prompts but {len(responses)} responses")
+        if self._runner is None:
+            self._runner = RewardRunner(self.reward_timeout_s)
+        results = self._runner.run(self.reward_fn, [(r, p.answer) for p, r in zip(prompts, responses)])
+        msgs = [f"response {i}: {res.error}" for i, res in enumerate(results) if res.error is not None]
+        return Scores(
+            rewards=torch.tensor([res.reward for res in results], dtype=torch.float32),
+            correct=torch.tensor([res.correct for res in results], dtype=torch.bool),
+            invalid=torch.tensor([not self.is_valid(r) for r in responses], dtype=torch.bool),
+            errors=len(msgs),
+            error_messages=msgs[:8],
+        )
+
+    def close(self) -> None:
+        """Stop the reward worker (a later ``score`` starts a new one)."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the prompt stream, for exact resume."""
+        return {
+            "rng_state": self.generator.get_state(),
+            "warmup_rng_state": self.warmup_generator.get_state(),
+            "prompts_served": self.prompts_served,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the stream continues exactly where it was saved)."""
+        missing = {"rng_state", "warmup_rng_state", "prompts_served"} - set(state)
+        if missing:
+            raise KeyError(f"task state is missing {sorted(missing)} (checkpoint from another task?)")
+        self.generator.set_state(state["rng_state"])
+        self.warmup_generator.set_state(state["warmup_rng_state"])
+        self.prompts_served = int(state["prompts_served"])
+
+
+_TASKS: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str) -> Callable[[type], type]:
+    """Class decorator: register a task under ``name`` (re-registering a name raises)."""
+
+    def deco(cls: type) -> type:
+        if name in _TASKS:
+            raise ValueError(f"task {name!r} is already registered ({_TASKS[name]!r})")
+        _TASKS[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_builtin_tasks() -> None:
+    import nemo_fp8rl.tasks.arithmetic  # noqa: F401
+    import nemo_fp8rl.tasks.math_jsonl  # noqa: F401
+
+
+def task_names() -> list[str]:
+    """Names accepted by :func:`get_task`."""
+    _load_builtin_tasks()
+    return sorted(_TASKS)
+
+
+def get_task(name: str, **cfg: Any) -> Task:
+    """Build the task registered as ``name`` with keyword config ``cfg`` (config group ``task``).
+
+    Unknown names and unknown keys raise ``ValueError`` listing the valid ones.
+    """
+    _load_builtin_tasks()
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r} (config key task.name); registered tasks: {sorted(_TASKS)}")
+    cls = _TASKS[name]
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        valid = sorted(k for k in params if k != "self")
+        unknown = sorted(set(cfg) - set(valid))
+        if unknown:
+            raise ValueError(f"task {name!r} does not take {unknown} (config keys task.*); valid keys: {valid}")
+    return cls(**cfg)

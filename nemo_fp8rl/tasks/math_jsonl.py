@@ -1,0 +1,216 @@
+"""Math task from a JSONL file: one ``{"prompt": ..., "answer": ...}`` object per line, math-verify reward.
+
+Loading is strict by default: every malformed row raises an error that names ``file:line``, what is
+wrong and how to fix it: bad JSON, a line that is not an object, a missing field, a field of the
+wrong type (the prompt must be a string; the answer a string or a number), an empty prompt or answer,
+a prompt longer than ``max_prompt_len`` tokens. With ``on_error="skip"`` such rows are skipped and
+counted instead (``skipped_rows``, ``skipped_by_reason``, logged once). Blank lines are ignored.
+
+Reward: Hugging Face ``math-verify`` parses the ground truth (wrapped in ``\\boxed{}`` unless it already
+has ``$`` or ``\\boxed``) and the response into SymPy and compares them (so ``\\frac{1}{2}``, ``1/2`` and
+``0.5`` agree). A response is well-formed when it holds a non-empty ``\\boxed{...}`` with balanced
+braces. The tokenizer is a character tokenizer over printable ASCII, newline, and every character of
+the data (a later issue adds Hugging Face tokenizers behind the same interface).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import torch
+
+from nemo_fp8rl.tasks.base import CharTokenizer, Prompt, Task, pad_examples, register_task
+from nemo_fp8rl.tasks.rewards import has_boxed_answer, math_verify_reward
+
+__all__ = ["MathJsonlTask", "JsonlDataError"]
+
+log = logging.getLogger(__name__)
+
+_BASE_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+
+class JsonlDataError(ValueError):
+    """A malformed row of a JSONL data file (the message starts with ``file:line``)."""
+
+
+@register_task("math_jsonl")
+class MathJsonlTask(Task):
+    """Prompts and answers from a JSONL file, rewarded with math-verify (see the module docstring).
+
+    Args:
+        path: the JSONL file.
+        prompt_key, answer_key: field names of the prompt and the ground-truth answer in each object.
+        on_error: ``"raise"`` (stop at the first malformed row, naming file:line) or ``"skip"`` (skip and count).
+        max_prompt_len: most prompt tokens (BOS included, after ``prompt_template``); longer rows are malformed.
+        prompt_template: Python format string with ``{prompt}``, applied to each prompt.
+        format_reward: reward of a well-formed (boxed) wrong answer; 0 disables it.
+        shuffle: reshuffle the rows each epoch (False = file order).
+        seed: seed of the shuffling.
+        reward_timeout_s: per-call reward timeout in seconds.
+    """
+
+    name = "math_jsonl"
+
+    def __init__(
+        self,
+        path: str,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        on_error: str = "raise",
+        max_prompt_len: int = 256,
+        prompt_template: str = "{prompt}",
+        format_reward: float = 0.0,
+        shuffle: bool = True,
+        seed: int = 0,
+        reward_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__(seed=seed, reward_timeout_s=reward_timeout_s)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"task.on_error={on_error!r} is not valid; use 'raise' or 'skip'")
+        if not (isinstance(max_prompt_len, int) and max_prompt_len >= 2):
+            raise ValueError(f"task.max_prompt_len={max_prompt_len!r} must be an integer >= 2 (BOS + one token)")
+        if "{prompt}" not in prompt_template:
+            raise ValueError(f"task.prompt_template={prompt_template!r} must contain '{{prompt}}'")
+        if not (0.0 <= float(format_reward) < 1.0):
+            raise ValueError(f"task.format_reward={format_reward!r} must be in [0, 1)")
+        if not path:
+            raise ValueError("task.path is required: the JSONL file with one {prompt, answer} object per line")
+        self.path = os.fspath(path)
+        self.prompt_key, self.answer_key = prompt_key, answer_key
+        self.on_error = on_error
+        self.max_prompt_len = max_prompt_len
+        self.prompt_template = prompt_template
+        self.format_reward = float(format_reward)
+        self.shuffle = bool(shuffle)
+        self.skipped_by_reason: Counter[str] = Counter()
+
+        rows = self._read_rows()
+        chars = set(_BASE_CHARS)
+        for _, text, answer in rows:
+            chars.update(text)
+            chars.update(answer)
+        self.tokenizer = CharTokenizer(sorted(chars))
+        self.rows: list[Prompt] = []
+        for line, text, answer in rows:
+            ids = [self.tokenizer.bos_id] + self.tokenizer.encode(text)
+            if len(ids) > max_prompt_len:
+                self._bad(line, "too_long", f"prompt is {len(ids)} tokens (BOS included) > task.max_prompt_len="
+                          f"{max_prompt_len}; shorten it or raise task.max_prompt_len")
+                continue
+            self.rows.append(Prompt(ids=ids, text=text, answer=answer, meta={"source": f"{self.path}:{line}"}))
+        if self.skipped_rows:
+            log.warning("%s: skipped %d malformed rows (%s)", self.path, self.skipped_rows, dict(self.skipped_by_reason))
+        if not self.rows:
+            raise JsonlDataError(f"{self.path}: no usable rows (skipped {dict(self.skipped_by_reason)})")
+        self.epoch, self.cursor = 0, 0
+        self.order = self._new_order()
+
+    # ---------------------------------------------------------------- loading
+    @property
+    def skipped_rows(self) -> int:
+        """Rows skipped as malformed (``on_error="skip"``)."""
+        return sum(self.skipped_by_reason.values())
+
+    def _bad(self, line: int, reason: str, msg: str) -> None:
+        if self.on_error == "raise":
+            raise JsonlDataError(f"{self.path}:{line}: {msg} (or set task.on_error=skip to skip such rows)")
+        self.skipped_by_reason[reason] += 1
+
+    def _read_rows(self) -> list[tuple[int, str, str]]:
+        """Parse and check every line; return (line number, templated prompt, answer) of the good rows."""
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"task.path={self.path!r}: no such file")
+        rows = []
+        pk, ak = self.prompt_key, self.answer_key
+        with open(self.path, encoding="utf-8") as f:
+            for line, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except json.JSONDecodeError as e:
+                    self._bad(line, "bad_json", f"invalid JSON ({e.msg} at column {e.colno})")
+                    continue
+                if not isinstance(obj, dict):
+                    self._bad(line, "not_object", f"expected a JSON object, got {type(obj).__name__}")
+                    continue
+                missing = [k for k in (pk, ak) if k not in obj]
+                if missing:
+                    self._bad(line, "missing_field", f"missing field(s) {missing} (task.prompt_key={pk!r}, "
+                              f"task.answer_key={ak!r}); the object has keys {sorted(obj)[:10]}")
+                    continue
+                prompt, answer = obj[pk], obj[ak]
+                if not isinstance(prompt, str):
+                    self._bad(line, "wrong_type", f"field {pk!r} must be a string, got {type(prompt).__name__}")
+                    continue
+                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+                    self._bad(line, "wrong_type", f"field {ak!r} must be a string or a number, got {type(answer).__name__}")
+                    continue
+                answer = str(answer).strip()
+                if not prompt.strip():
+                    self._bad(line, "empty", f"field {pk!r} is empty")
+                    continue
+                if not answer:
+                    self._bad(line, "empty", f"field {ak!r} is empty")
+                    continue
+                rows.append((line, self.prompt_template.format(prompt=prompt), answer))
+        return rows
+
+    # ---------------------------------------------------------------- data stream
+    def _new_order(self) -> list[int]:
+        n = len(self.rows)
+        return torch.randperm(n, generator=self.generator).tolist() if self.shuffle else list(range(n))
+
+    def prompts(self, n: int, generator: Optional[torch.Generator] = None) -> list[Prompt]:
+        """Next ``n`` rows of the (per-epoch shuffled) stream; with ``generator``: ``n`` rows drawn uniformly
+        with replacement from it, leaving the stream untouched."""
+        if generator is not None:
+            idx = torch.randint(0, len(self.rows), (n,), generator=generator).tolist()
+            return [self.rows[i] for i in idx]
+        out = []
+        for _ in range(n):
+            if self.cursor == len(self.order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self.order = self._new_order()
+            out.append(self.rows[self.order[self.cursor]])
+            self.cursor += 1
+        self.prompts_served += n
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch": self.epoch, "cursor": self.cursor, "order": list(self.order),
+                "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_rows") != len(self.rows):
+            raise ValueError(
+                f"task state was saved with {state.get('num_rows')} rows but {self.path} now has {len(self.rows)} "
+                "usable rows; resume with the same data file"
+            )
+        super().load_state_dict(state)
+        self.epoch, self.cursor, self.order = int(state["epoch"]), int(state["cursor"]), list(state["order"])
+
+    # ---------------------------------------------------------------- rewards
+    @property
+    def reward_fn(self) -> Callable[[str, str], Any]:
+        return functools.partial(math_verify_reward, format_reward=self.format_reward)
+
+    def is_valid(self, text: str) -> bool:
+        """Well-formed = holds a non-empty ``\\boxed{...}`` and all braces are balanced."""
+        return has_boxed_answer(text)
+
+    def warmup_examples(self, n: int, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` rows (uniform, with replacement) as ``prompt -> \\boxed{answer} <eos>`` (teaches the format)."""
+        g = self._gen(generator, warmup=True)
+        idx = torch.randint(0, len(self.rows), (n,), generator=g).tolist()
+        seqs, plens = [], []
+        for i in idx:
+            p = self.rows[i]
+            seqs.append(p.ids + self.tokenizer.encode("\\boxed{" + p.answer + "}") + [self.tokenizer.eos_id])
+            plens.append(len(p.ids))
+        return pad_examples(seqs, plens, self.tokenizer.pad_id)
