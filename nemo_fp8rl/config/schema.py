@@ -1,0 +1,411 @@
+"""The training configuration schema: the only home of defaults (DESIGN.md section 8).
+
+Hydra composes ``conf/config.yaml`` (config groups: algorithm, fp8, calibration, model, task) on top
+of this schema; YAML files hold overrides only. ``validate(cfg)`` rejects bad values and bad
+combinations before any work starts, naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the fix."""
+
+
+@dataclass
+class Fp8Config:
+    """Training FP8 (the trainer's GEMMs). ``recipe: null`` (the ``fp8=off`` group) = high precision."""
+
+    recipe: Optional[str] = None
+    """delayed | tensorwise | rowwise | blockwise | mxfp8 (or a Megatron-Bridge alias); null = FP8 off."""
+    fp8_format: Optional[str] = None
+    """e4m3 | hybrid; null = the recipe's default (hybrid for delayed/tensorwise, e4m3 otherwise)."""
+    pow2_scales: Optional[bool] = None
+    """Power-of-two scales; null = the recipe's default."""
+    amax_history_len: int = 1
+    """Delayed scaling history length (Megatron default 1)."""
+    amax_compute_algo: str = "most_recent"
+    """Delayed scaling: most_recent | max."""
+    margin: int = 0
+    """Delayed scaling margin (powers of two of headroom)."""
+    accumulation: str = "fp32"
+    """fp32 | fast (model Hopper's un-promoted FP8 accumulation in forward GEMMs)."""
+    first_last_layers_bf16: bool = False
+    """Keep the first/last transformer layers in high precision (not with delayed)."""
+    num_layers_at_start_in_bf16: int = 1
+    """With first_last_layers_bf16: layers at the start kept high precision."""
+    num_layers_at_end_in_bf16: int = 1
+    """With first_last_layers_bf16: layers at the end kept high precision."""
+    use_te: Optional[bool] = None
+    """Transformer Engine layers and FP8 (GPU); null = TE when CUDA and TE are available, else emulation."""
+
+
+@dataclass
+class RolloutFp8Config:
+    """FP8 of the rollout (inference) engine, separate from training as in real stacks."""
+
+    scheme: str = "vllm_w8a8"
+    """off | vllm_w8a8 | vllm_block | same_as_train. Forced to off when training FP8 is off (bf16 arm)."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation."""
+
+    engine: str = "torch"
+    """Rollout engine registry name (in-process torch sampler with a KV cache)."""
+    temperature: float = 1.0
+    """Sampling temperature (also divides the trainer's logits, verl convention)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_new_tokens: int = 8
+    """Longest response in tokens."""
+    stop_on_eos: bool = True
+    """Stop a sequence at EOS."""
+    fp8: RolloutFp8Config = field(default_factory=RolloutFp8Config)
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm: GRPO/DAPO/PPO are presets of these keys (conf/algorithm/)."""
+
+    name: str = "grpo"
+    """Preset name (informational)."""
+    policy_loss: str = "ppo_clip"
+    """Registered policy loss: ppo_clip | reinforce | gspo."""
+    adv_estimator: str = "grpo"
+    """Registered advantage estimator: grpo | rloo."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO style)."""
+    group_size: int = 8
+    """Responses sampled per prompt."""
+    prompts_per_step: int = 32
+    """Prompts per training step (batch = prompts_per_step x group_size sequences)."""
+    minibatches_per_step: int = 4
+    """Optimizer updates per step (ratios move off 1 after the first)."""
+    epochs: int = 1
+    """Passes over the step's batch."""
+    eps_low: float = 0.2
+    """Lower clip: ratio bound 1 - eps_low for negative advantages."""
+    eps_high: float = 0.2
+    """Upper clip: ratio bound 1 + eps_high for positive advantages (DAPO clip-higher: 0.28)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (null = off)."""
+    kl_coef: float = 0.0
+    """KL-to-reference coefficient beta (0 = no reference model)."""
+    kl_type: str = "k3"
+    """KL estimator: k1 | k2 | k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more."""
+    max_resample_rounds: int = 3
+    """DAPO dynamic sampling: extra rollout rounds to refill the batch."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: soft penalty over the last N tokens of max_new_tokens (0 = off)."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong shaping: penalty at the hard limit."""
+    rollout_correction: str = "tis"
+    """tis | icepop | none: correction of rollout-vs-trainer mismatch."""
+    tis_cap: float = 2.0
+    """TIS truncation C (paper: 2)."""
+    icepop_low: float = 0.5
+    """IcePop: mask tokens whose rollout IS ratio is below this."""
+    icepop_high: float = 2.0
+    """IcePop: mask tokens whose rollout IS ratio is above this."""
+    old_logprobs: str = "recompute"
+    """recompute (trainer FP8 forward before the update) | rollout (the rollout engine's log-probs)."""
+
+
+@dataclass
+class CalibrationConfig:
+    """Calibrated Clipping (DESIGN.md section 4). The ``off`` group disables it."""
+
+    enabled: bool = False
+    """Run the BF16 shadow forwards at calibration steps."""
+    apply: bool = True
+    """Use the calibrated bounds (False: measure and log calib/ metrics only, bounds stay nominal)."""
+    interval: int = 20
+    """Calibrate at step start_step, then every `interval` steps."""
+    ema: float = 0.5
+    """Blend of old and new bounds after the first calibration: L <- ema L + (1 - ema) L*."""
+    upper_mode: str = "balance"
+    """balance | quantile | proportional | fixed."""
+    lower_min: float = 0.5
+    """Guard: lowest allowed lower bound."""
+    upper_max: float = 3.0
+    """Guard: highest allowed upper bound."""
+    min_tokens: int = 64
+    """Fewer negative-advantage tokens than this keeps the previous bounds."""
+    max_tokens: int = 65536
+    """Random subset of tokens kept per rank per calibration."""
+    start_step: int = 0
+    """First calibration step."""
+    init_lower: Optional[float] = None
+    """Lower bound before the first calibration (null = 1 - eps_low)."""
+    init_upper: Optional[float] = None
+    """Upper bound before the first calibration (null = 1 + eps_high)."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer (Adam)."""
+
+    lr: float = 1e-4
+    """Learning rate of the RL updates."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping."""
+
+
+@dataclass
+class TaskConfig:
+    """The verifiable task (conf/task/)."""
+
+    name: str = "arithmetic"
+    """arithmetic | math_jsonl."""
+    digits: int = 3
+    """arithmetic: digits per operand."""
+    format_reward: float = 0.0
+    """arithmetic: reward for a well-formed but wrong answer."""
+    path: Optional[str] = None
+    """math_jsonl: path of the JSONL file."""
+    prompt_key: str = "prompt"
+    """math_jsonl: field holding the prompt."""
+    answer_key: str = "answer"
+    """math_jsonl: field holding the reference answer."""
+    on_error: str = "raise"
+    """math_jsonl: malformed rows -> raise (error with file:line) | skip (count and skip)."""
+    max_prompt_len: int = 256
+    """math_jsonl: longest prompt in tokens."""
+    reward_timeout_s: float = 5.0
+    """A reward call slower than this scores 0 and counts in reward/errors."""
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up before RL, so RL starts from a policy that is right part of the time."""
+
+    steps: int = 900
+    """Supervised steps (0 = none)."""
+    lr: float = 1e-3
+    """Warm-up learning rate."""
+    batch_size: int = 64
+    """Warm-up sequences per step."""
+    cache: bool = True
+    """Reuse a warm-up with identical model, task, warm-up settings and seed from cache_dir."""
+    cache_dir: str = "runs/.warmup_cache"
+    """Where warmed-up weights are cached (keyed by a hash of everything that shapes them)."""
+
+
+@dataclass
+class TrainerConfig:
+    """Loop control."""
+
+    max_steps: int = 100
+    """RL steps."""
+    checkpoint_interval: int = 50
+    """Save every N steps (and at the end); 0 = only at the end."""
+    keep_last: int = 3
+    """Checkpoints kept."""
+    max_consecutive_skips: int = 5
+    """Stop (with a checkpoint of the last good state) after this many non-finite updates in a row."""
+    cpu_threads: Optional[int] = 1
+    """torch intra-op threads on CPU (null = torch's default). The tiny model's kernels are too small
+    to gain from more threads, and extra threads slow it down when cores are shared."""
+
+
+@dataclass
+class LoggerConfig:
+    """Metrics output."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to <output_dir>/tb."""
+    progress: str = "auto"
+    """auto (bar on a terminal, lines otherwise) | bar | lines | none."""
+
+
+@dataclass
+class StabilityConfig:
+    """Entropy-surge and garbled-output monitor."""
+
+    surge_factor: float = 2.0
+    """Surge when entropy > surge_factor x running median."""
+    window: int = 20
+    """Running-median window in steps."""
+
+
+@dataclass
+class TrainConfig:
+    """One RL run."""
+
+    output_dir: str = "runs/default"
+    """Run directory (config.yaml, metrics.jsonl, tb/, checkpoints/)."""
+    seed: int = 1
+    """Seed of everything (model init, sampling, minibatch order)."""
+    resume: bool = False
+    """Continue from <output_dir>/checkpoints/latest when it exists."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+
+
+def _choice(key: str, value, options: List[str]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of {options}")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Reject values and combinations that cannot work, naming the key and the fix. Returns cfg."""
+    from nemo_fp8rl.fp8 import ROLLOUT_SCHEMES, list_recipes, resolve_recipe
+
+    a, c = cfg.algorithm, cfg.calibration
+    if not 0.0 < a.eps_low < 1.0:
+        raise ConfigError(f"algorithm.eps_low={a.eps_low} must be in (0, 1): the lower bound 1 - eps_low must stay positive")
+    if a.eps_high <= 0.0:
+        raise ConfigError(f"algorithm.eps_high={a.eps_high} must be > 0")
+    if a.dual_clip is not None and a.dual_clip <= 1.0:
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (or null to disable dual clip)")
+    if a.group_size < 1 or a.prompts_per_step < 1:
+        raise ConfigError("algorithm.group_size and algorithm.prompts_per_step must be >= 1")
+    if a.adv_estimator in ("grpo", "rloo") and a.group_size < 2:
+        raise ConfigError(
+            f"algorithm.group_size={a.group_size} with adv_estimator={a.adv_estimator}: group-relative "
+            "advantages need at least 2 responses per prompt; set algorithm.group_size>=2"
+        )
+    batch = a.group_size * a.prompts_per_step
+    if a.minibatches_per_step < 1 or batch % a.minibatches_per_step:
+        raise ConfigError(
+            f"algorithm.minibatches_per_step={a.minibatches_per_step} must divide the batch "
+            f"(prompts_per_step x group_size = {batch})"
+        )
+    _choice("algorithm.kl_type", a.kl_type, ["k1", "k2", "k3"])
+    _choice("algorithm.agg_mode", a.agg_mode,
+            ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+    _choice("algorithm.rollout_correction", a.rollout_correction, ["tis", "icepop", "none"])
+    _choice("algorithm.old_logprobs", a.old_logprobs, ["recompute", "rollout"])
+    if a.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0")
+    if a.tis_cap <= 0 or not (0 < a.icepop_low < a.icepop_high):
+        raise ConfigError("algorithm.tis_cap must be > 0 and 0 < algorithm.icepop_low < algorithm.icepop_high")
+    if a.epochs < 1:
+        raise ConfigError("algorithm.epochs must be >= 1")
+
+    if cfg.fp8.recipe is not None and cfg.fp8.recipe != "off":
+        if cfg.fp8.recipe not in list_recipes(include_aliases=True):
+            raise ConfigError(f"fp8.recipe={cfg.fp8.recipe!r} is unknown; valid: {list_recipes()} or fp8=off")
+        try:
+            build_fp8_recipe(cfg)
+        except ValueError as e:
+            raise ConfigError(f"fp8: {e}") from None
+    _choice("rollout.fp8.scheme", cfg.rollout.fp8.scheme, list(ROLLOUT_SCHEMES))
+    if cfg.rollout.temperature <= 0 or not (0 < cfg.rollout.top_p <= 1):
+        raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
+    if cfg.rollout.max_new_tokens < 1:
+        raise ConfigError("rollout.max_new_tokens must be >= 1")
+
+    _choice("calibration.upper_mode", c.upper_mode, ["balance", "quantile", "proportional", "fixed"])
+    if c.interval < 1:
+        raise ConfigError(f"calibration.interval={c.interval} must be >= 1")
+    if not 0.0 <= c.ema < 1.0:
+        raise ConfigError(f"calibration.ema={c.ema} must be in [0, 1)")
+    if not 0.0 < c.lower_min <= 1.0 - a.eps_low:
+        raise ConfigError(
+            f"calibration.lower_min={c.lower_min} must be in (0, 1 - algorithm.eps_low = {1 - a.eps_low:g}]"
+        )
+    if c.upper_max < 1.0 + a.eps_high:
+        raise ConfigError(
+            f"calibration.upper_max={c.upper_max} must be >= 1 + algorithm.eps_high = {1 + a.eps_high:g}"
+        )
+    if c.enabled and resolve_recipe(cfg.fp8.recipe) is None:
+        raise ConfigError(
+            "calibration is on but training FP8 is off (fp8=off): Calibrated Clipping corrects FP8 ratios; "
+            "choose an FP8 recipe (e.g. fp8=blockwise) or calibration=off"
+        )
+
+    m, p = cfg.model, cfg.parallel
+    if m.num_attention_heads < 1 or m.hidden_size % m.num_attention_heads and m.kv_channels is None:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+            f"{m.num_attention_heads}; set model.kv_channels explicitly or change the sizes"
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} must be a multiple of model.num_query_groups={groups}"
+        )
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigError("parallel.tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1")
+    if m.num_attention_heads % tp or groups % tp:
+        raise ConfigError(
+            f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads="
+            f"{m.num_attention_heads} and model.num_query_groups={groups}"
+        )
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(f"parallel.tensor_model_parallel_size={tp} must divide model.ffn_hidden_size={m.ffn_hidden_size}")
+    if m.num_layers % pp:
+        raise ConfigError(
+            f"parallel.pipeline_model_parallel_size={pp} must divide model.num_layers={m.num_layers}"
+        )
+    if p.micro_batch_size < 1:
+        raise ConfigError("parallel.micro_batch_size must be >= 1")
+
+    t = cfg.trainer
+    if t.max_steps < 0 or t.checkpoint_interval < 0 or t.keep_last < 1 or t.max_consecutive_skips < 1:
+        raise ConfigError(
+            "trainer.max_steps and trainer.checkpoint_interval must be >= 0, trainer.keep_last and "
+            "trainer.max_consecutive_skips >= 1"
+        )
+    o = cfg.optim
+    if not (o.lr > 0 and math.isfinite(o.lr)):
+        raise ConfigError(f"optim.lr={o.lr} must be a positive number")
+    if o.grad_clip <= 0:
+        raise ConfigError(f"optim.grad_clip={o.grad_clip} must be > 0")
+    _choice("logger.progress", cfg.logger.progress, ["auto", "bar", "lines", "none"])
+    _choice("task.on_error", cfg.task.on_error, ["raise", "skip"])
+    if cfg.warmup.steps < 0 or cfg.warmup.batch_size < 1:
+        raise ConfigError("warmup.steps must be >= 0 and warmup.batch_size >= 1")
+    if cfg.stability.window < 1 or cfg.stability.surge_factor <= 1.0:
+        raise ConfigError("stability.window must be >= 1 and stability.surge_factor > 1")
+    return cfg
+
+
+def build_fp8_recipe(cfg: TrainConfig):
+    """The training :class:`~nemo_fp8rl.fp8.Fp8Recipe` from ``cfg.fp8`` (None when FP8 is off)."""
+    from nemo_fp8rl.fp8 import resolve_recipe
+
+    f = cfg.fp8
+    overrides = dict(
+        amax_history_len=f.amax_history_len, amax_compute_algo=f.amax_compute_algo, margin=f.margin,
+        accumulation=f.accumulation, first_last_layers_bf16=f.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=f.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=f.num_layers_at_end_in_bf16,
+    )
+    if f.fp8_format is not None:
+        overrides["fp8_format"] = f.fp8_format
+    if f.pow2_scales is not None:
+        overrides["pow2_scales"] = f.pow2_scales
+    return resolve_recipe(f.recipe, **overrides)

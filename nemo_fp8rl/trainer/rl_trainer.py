@@ -1,0 +1,508 @@
+"""The RL loop (GRPO / DAPO / PPO presets) with FP8 rollout and training and Calibrated Clipping.
+
+One step (DESIGN.md section 7), in the order :meth:`RLTrainer.step` runs it:
+
+1. rollout: sync weights to the rollout engine (re-quantized for its FP8 scheme), sample
+   ``group_size`` responses per prompt and record ``rollout_logp``;
+2. rewards (reward/errors counted, DAPO overlong shaping);
+3. advantages (group-relative), DAPO dynamic sampling (drop all-equal groups, sample more);
+4. old log-probs: ``recompute`` (FP8 trainer forward) or ``rollout`` (the engine's); the BF16 shadow
+   old log-probs on calibration steps; reference log-probs when ``kl_coef > 0``; rollout-correction
+   weights (TIS / IcePop);
+5. for each minibatch: the BF16 shadow forward on calibration steps (the weights this minibatch
+   sees), then the FP8 forward/backward with the clip bounds in force and an optimizer step;
+6. calibration update (bounds for the next step);
+7. metrics (one host sync), entropy-surge monitor;
+8. checkpoint every ``checkpoint_interval`` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+import os
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_fp8rl.algorithms import (
+    CalibratedClipping,
+    EntropySurgeMonitor,
+    agg_loss,
+    dynamic_sampling_filter,
+    get_advantage_estimator,
+    get_policy_loss,
+    kl_penalty,
+    make_metric,
+    metrics_to_floats,
+    mismatch_metrics,
+    overlong_reward_shaping,
+    reduce_metrics,
+    rollout_correction,
+)
+from nemo_fp8rl.config.schema import TrainConfig, build_fp8_recipe, validate
+from nemo_fp8rl.fp8 import collect_fp8_stats
+from nemo_fp8rl.trainer.checkpoint import CheckpointManager
+from nemo_fp8rl.trainer.logger import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+
+def task_kwargs(cfg: TrainConfig, factory) -> dict:
+    """The TaskConfig fields the task's constructor accepts (plus the run seed)."""
+    params = inspect.signature(factory).parameters
+    kw = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "name" and k in params}
+    if "seed" in params:
+        kw["seed"] = cfg.seed
+    return kw
+
+
+def model_fingerprint(cfg: TrainConfig) -> Dict[str, object]:
+    """Config keys that must not change across a resume (they shape the model, optimizer state or layout)."""
+    fp = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k != "name"}
+    fp.update({f"parallel.{k}": v for k, v in dataclasses.asdict(cfg.parallel).items() if k != "backend"})
+    fp["fp8.recipe"] = cfg.fp8.recipe
+    fp["fp8.amax_history_len"] = cfg.fp8.amax_history_len
+    fp["task.name"] = cfg.task.name
+    fp["calibration.enabled"] = cfg.calibration.enabled
+    fp["seed"] = cfg.seed
+    return fp
+
+
+class StopTraining(Exception):
+    """Raised to stop the loop cleanly (non-finite updates in a row); a checkpoint has been written."""
+
+
+class RLTrainer:
+    """Owns the task, actor, rollout engine, calibration controller, logger and checkpoints of one run."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from nemo_fp8rl.models import build_actor
+        from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
+        from nemo_fp8rl.tasks import get_task
+
+        self.cfg = validate(cfg)
+        a = cfg.algorithm
+        self.out = Path(cfg.output_dir)
+        _check_writable(self.out)
+        self.task = get_task(cfg.task.name, **task_kwargs(cfg, _task_factory(cfg.task.name)))
+        tok = self.task.tokenizer
+        self.model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tok.vocab_size)
+        if self.model_cfg.vocab_size < tok.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={self.model_cfg.vocab_size} is smaller than the task tokenizer's "
+                f"{tok.vocab_size}; set model.vocab_size=null to take it from the tokenizer"
+            )
+        self.recipe = build_fp8_recipe(cfg)
+        self.actor = build_actor(
+            self.model_cfg, cfg.parallel, fp8_recipe=self.recipe, seed=cfg.seed, lr=cfg.optim.lr,
+            weight_decay=cfg.optim.weight_decay, adam_betas=(cfg.optim.beta1, cfg.optim.beta2),
+            grad_clip=cfg.optim.grad_clip, keep_reference=False, use_te=cfg.fp8.use_te,
+        )
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if a.prompts_per_step % self.actor.dp_size:
+            raise ValueError(
+                f"algorithm.prompts_per_step={a.prompts_per_step} must be divisible by the data-parallel size "
+                f"{self.actor.dp_size}"
+            )
+        self.local_prompts = a.prompts_per_step // self.actor.dp_size
+        # The bf16 arm is high precision end to end: no FP8 in the rollout either.
+        scheme = cfg.rollout.fp8.scheme if self.recipe is not None else "off"
+        self.engine = get_rollout_engine(
+            cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
+            eos_id=tok.eos_id, pad_id=tok.pad_id,
+        )
+        self.sampling = SamplingParams(
+            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+            max_new_tokens=cfg.rollout.max_new_tokens, stop_on_eos=cfg.rollout.stop_on_eos,
+        )
+        self.policy_loss = get_policy_loss(a.policy_loss)
+        self.adv_fn = get_advantage_estimator(a.adv_estimator)
+        c = cfg.calibration
+        self.calibrator: Optional[CalibratedClipping] = None
+        if c.enabled:
+            self.calibrator = CalibratedClipping(
+                eps_low=a.eps_low, eps_high=a.eps_high, interval=c.interval, ema=c.ema, upper_mode=c.upper_mode,
+                lower_min=c.lower_min, upper_max=c.upper_max, min_tokens=c.min_tokens, max_tokens=c.max_tokens,
+                start_step=c.start_step, init_lower=c.init_lower, init_upper=c.init_upper, apply=c.apply,
+                seed=cfg.seed,
+            )
+        self.monitor = EntropySurgeMonitor(window=cfg.stability.window, factor=cfg.stability.surge_factor)
+        # Every random draw of the loop comes from these generators (saved in checkpoints): resume is exact.
+        dp = self.actor.dp_rank
+        self.rollout_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + dp)
+        self.prompt_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 29 + dp)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 43 + dp)
+        self.ckpt = CheckpointManager(cfg.output_dir, keep_last=cfg.trainer.keep_last)
+        self.step_idx = 0
+        self.consecutive_skips = 0
+        self.skipped_total = 0
+        self._stop_signal: Optional[int] = None
+        self.logger: Optional[MetricsLogger] = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, *, warm_start: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Resume from the latest checkpoint (``resume=true``) or load warm-start weights; open the logger."""
+        start = 0
+        latest = self.ckpt.latest_step() if self.cfg.resume else None
+        if latest is not None:
+            self._restore(self.ckpt.load(latest, model_fingerprint(self.cfg)))
+            start = self.step_idx
+            logger.info("resumed from %s/checkpoints/step_%d", self.cfg.output_dir, latest)
+        else:
+            if self.ckpt.steps() and not self.cfg.resume:
+                raise ValueError(
+                    f"{self.ckpt.root} already holds checkpoints {self.ckpt.steps()}; pass resume=true to continue "
+                    "that run or choose a new output_dir (nothing was overwritten)"
+                )
+            if warm_start is not None:
+                self.actor.load_weights(warm_start)
+        if self.cfg.algorithm.kl_coef > 0 and not self.actor.has_reference:
+            self.actor.keep_reference()  # the RL starting point (after warm-up) is the reference policy
+        self.logger = MetricsLogger(
+            self.cfg.output_dir, tensorboard=self.cfg.logger.tensorboard, progress=self.cfg.logger.progress,
+            max_steps=self.cfg.trainer.max_steps, start_step=start, enabled=self.rank == 0,
+        )
+
+    # ------------------------------------------------------------------ rollout
+    def _generate(self, n_prompts: int):
+        """Sample ``group_size`` responses for ``n_prompts`` new prompts; rewards and advantages."""
+        a = self.cfg.algorithm
+        prompts = self.task.prompts(n_prompts, self.prompt_gen)
+        expanded = [p for p in prompts for _ in range(a.group_size)]
+        batch = self.engine.generate([p.ids for p in expanded], self.sampling, self.rollout_gen)
+        texts = [self.task.response_text(r) for r in batch.responses()]
+        scores = self.task.score(expanded, texts)
+        rewards = scores.rewards.clone()
+        if a.overlong_buffer_len > 0:
+            rewards = rewards + overlong_reward_shaping(
+                batch.response_lens, self.sampling.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty_factor
+            )
+        adv = self.adv_fn(rewards, a.group_size, **({"norm_by_std": a.norm_adv_by_std} if a.adv_estimator == "grpo" else {}))
+        return batch, scores, rewards, adv
+
+    def _rollout(self):
+        """Rollout with DAPO dynamic sampling: keep groups with reward variance, sample more to refill."""
+        a = self.cfg.algorithm
+        batch, scores, rewards, adv = self._generate(self.local_prompts)
+        if not a.dynamic_sampling:
+            return batch, scores, rewards, adv, {}
+        parts = [(batch, scores, rewards, adv)]
+        keep, kept_frac = dynamic_sampling_filter(rewards, a.group_size)
+        kept_groups = [int(keep.view(-1, a.group_size)[:, 0].sum())]
+        rounds = 0
+        while sum(kept_groups) < self.local_prompts and rounds < a.max_resample_rounds:
+            rounds += 1
+            b, s, r, ad = self._generate(self.local_prompts)
+            k, _ = dynamic_sampling_filter(r, a.group_size)
+            parts.append((b, s, r, ad))
+            kept_groups.append(int(k.view(-1, a.group_size)[:, 0].sum()))
+        # Select kept groups first (in sampling order); fill with dropped ones (zero advantage: no
+        # gradient) when even the extra rounds did not find enough informative groups.
+        sel, fill = [], []
+        for i, (b, s, r, ad) in enumerate(parts):
+            k, _ = dynamic_sampling_filter(r, a.group_size)
+            for g, kg in enumerate(k.view(-1, a.group_size)[:, 0].tolist()):
+                (sel if kg else fill).append((i, g))
+        chosen = (sel + fill)[: self.local_prompts]
+        merged = _merge_groups(parts, chosen, a.group_size, self.task.tokenizer.pad_id)
+        stats = {
+            "rollout/dynamic_kept_frac": make_metric(torch.tensor(float(kept_frac)), "mean"),
+            "rollout/dynamic_rounds": make_metric(torch.tensor(float(rounds)), "mean"),
+            "rollout/dynamic_filled_groups": make_metric(torch.tensor(float(max(0, len(chosen) - len(sel)))), "mean"),
+        }
+        return (*merged, stats)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> Dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algorithm
+        step = self.step_idx
+        calibrating = self.calibrator is not None and self.calibrator.should_calibrate(step)
+        T = cfg.rollout.temperature
+        timings: Dict[str, float] = {}
+        t_step = time.perf_counter()
+
+        # 1-3: rollout, rewards, advantages
+        with _timed(timings, "rollout"):
+            self.engine.update_weights(self.actor.export_weights())
+            batch, scores, rewards, adv, ds_metrics = self._rollout()
+        tokens, mask = batch.tokens, batch.mask.float()
+        B = tokens.shape[0]
+        token_adv = adv.view(-1, 1).float() * mask
+
+        # 4: old / shadow / reference log-probs, rollout correction
+        with _timed(timings, "logprobs"):
+            if a.old_logprobs == "recompute":
+                old_logp, _ = self.actor.get_logprobs(tokens, temperature=T)
+                old_logp = old_logp * mask
+            else:
+                old_logp = batch.rollout_logp.float() * mask
+            ref_logp = self.actor.get_reference_logprobs(tokens, temperature=T)[0] if a.kl_coef > 0 else None
+        hp_old = None
+        if calibrating:
+            with _timed(timings, "shadow"):
+                hp_old = self.actor.get_shadow_logprobs(tokens, temperature=T)[0] * mask
+        rc_kw = {"cap": a.tis_cap} if a.rollout_correction == "tis" else (
+            {"low": a.icepop_low, "high": a.icepop_high} if a.rollout_correction == "icepop" else {})
+        weights, rc_metrics = rollout_correction(old_logp, batch.rollout_logp.float() * mask, mask,
+                                                 mode=a.rollout_correction, **rc_kw)
+
+        data = {"tokens": tokens, "mask": mask, "advantages": token_adv, "old_logp": old_logp,
+                "weights": weights.detach(), "rollout_logp": batch.rollout_logp.float() * mask}
+        if ref_logp is not None:
+            data["ref_logp"] = ref_logp * mask
+        if hp_old is not None:
+            data["hp_old_logp"] = hp_old
+
+        # 5: minibatch updates with the bounds in force
+        lower, upper = self.calibrator.bounds if (self.calibrator is not None and self.calibrator.apply) else (
+            1.0 - a.eps_low, 1.0 + a.eps_high)
+        mb_metrics, shadow_time = [], 0.0
+        n_mb = a.minibatches_per_step
+        mb_size = B // n_mb
+        t_train = time.perf_counter()
+        for _epoch in range(a.epochs):
+            perm = torch.randperm(B, generator=self.shuffle_gen)
+            for j in range(n_mb):
+                idx = perm[j * mb_size:(j + 1) * mb_size] if j < n_mb - 1 else perm[j * mb_size:]
+                mb = {k: v[idx] for k, v in data.items()}
+                if calibrating:
+                    t0 = time.perf_counter()
+                    hp_logp = self.actor.get_shadow_logprobs(mb["tokens"], temperature=T)[0]
+                    mb["ref_ratio"] = torch.exp((hp_logp - mb["hp_old_logp"]) * mb["mask"])
+                    shadow_time += time.perf_counter() - t0
+                first = _epoch == 0 and j == 0
+                mb_metrics.append(self.actor.train_step(
+                    mb, self._make_loss(lower, upper, calibrating, step, first), temperature=T))
+        timings["shadow"] = timings.get("shadow", 0.0) + shadow_time
+        timings["train"] = time.perf_counter() - t_train - shadow_time
+
+        # 6: calibration update (bounds apply from the next step)
+        calib_metrics = {}
+        if calibrating:
+            calib_metrics = self.calibrator.update(step, group=self.actor.dp_group)
+            if hp_old is not None:
+                d = ((old_logp - hp_old).abs() * mask).sum() / mask.sum().clamp(min=1)
+                calib_metrics["mismatch/fp8_bf16_logp_abs_diff_mean"] = make_metric(d, "mean")
+
+        # 7: metrics
+        # "sum" metrics are sums over the microbatches of one minibatch (shares of the minibatch
+        # value); across the step's minibatches they are averaged.
+        train_m = reduce_metrics([{k: (v, "mean" if r == "sum" else r) for k, (v, r) in m.items()}
+                                  for m in mb_metrics])
+        skipped = float(train_m.get("train/skipped", (torch.tensor(0.0), "max"))[0])
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped > 0 else 0
+        self.skipped_total += int(skipped > 0)
+        local: Dict = {
+            "reward/mean": make_metric(scores.rewards.mean(), "mean"),
+            "reward/shaped_mean": make_metric(rewards.mean(), "mean"),
+            "reward/accuracy": make_metric(scores.correct.float().mean(), "mean"),
+            "reward/errors": make_metric(torch.tensor(float(scores.errors)), "sum"),
+            "rollout/invalid_frac": make_metric(scores.invalid.float().mean(), "mean"),
+            "rollout/response_len": make_metric(batch.response_lens.float().mean(), "mean"),
+            "rollout/eos_frac": make_metric(batch.finished.float().mean(), "mean"),
+        }
+        local.update(ds_metrics)
+        local.update(rc_metrics)
+        if a.old_logprobs == "recompute":
+            local.update(mismatch_metrics(batch.rollout_logp.float() * mask, old_logp, mask))
+        fp8_stats = collect_fp8_stats(self.actor.model)
+        if self.recipe is not None:
+            local["fp8/saturation_frac"] = make_metric(fp8_stats["fp8/saturation_frac"].float(), "mean")
+            local["fp8/nonfinite_amax"] = make_metric(fp8_stats["fp8/nonfinite_amax"].float(), "sum")
+        group = self.actor.dp_group if self.actor.dp_size > 1 else None
+        merged = reduce_metrics([local], group=group)
+        merged.update(train_m)
+        merged.update(calib_metrics)
+        out = metrics_to_floats(merged)  # the one host sync of the step
+        out["clip/lower"], out["clip/upper"] = float(lower), float(upper)
+        out["train/skipped_steps"] = float(self.skipped_total)
+        out["train/lr"] = float(self.actor.optimizer.param_groups[0]["lr"])
+        ent = out.get("policy/entropy")
+        if ent is not None and math.isfinite(ent):
+            out.update(metrics_to_floats(self.monitor.update(ent)))
+        timings["step"] = time.perf_counter() - t_step
+        out.update({f"timing/{k}": v for k, v in timings.items()})
+        self.step_idx += 1
+        return out
+
+    def _make_loss(self, lower: float, upper: float, calibrating: bool, step: int, first_minibatch: bool):
+        """The loss closure the actor evaluates per microbatch (on the last pipeline stage)."""
+        a = self.cfg.algorithm
+
+        def loss_fn(mb, logprobs, entropy, *, global_tokens, global_seqs):
+            mask = mb["mask"]
+            logp = logprobs * mask
+            loss, metrics = self.policy_loss(
+                logp, mb["old_logp"], mb["advantages"], mask, lower=lower, upper=upper, dual_clip=a.dual_clip,
+                weights=mb["weights"], agg_mode=a.agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+            )
+            if a.kl_coef > 0:
+                kl = kl_penalty(logp, mb["ref_logp"], kind=a.kl_type)
+                kl_loss = agg_loss(kl, mask, a.agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+                loss = loss + a.kl_coef * kl_loss
+                metrics["policy/kl_ref"] = make_metric(kl_loss.detach(), "sum")
+            ent_loss = agg_loss(entropy, mask, a.agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+            if a.entropy_coef > 0:
+                loss = loss - a.entropy_coef * ent_loss
+            # entropy of this microbatch's share of the minibatch mean: summed over microbatches
+            metrics["policy/entropy"] = make_metric(
+                (entropy.detach() * mask).sum() / global_tokens.clamp(min=1), "sum")
+            if first_minibatch and a.old_logprobs == "rollout":
+                # on-policy weights: this forward is the trainer's log-prob of the rollout's tokens
+                for k, v in mismatch_metrics(mb["rollout_logp"], logp.detach(), mask).items():
+                    metrics[k] = v
+            if calibrating:
+                ratio = torch.exp((logp.detach() - mb["old_logp"]) * mask)
+                self.calibrator.observe(ratio, mb["ref_ratio"], mb["advantages"], mask, step=step)
+            return loss, metrics
+
+        return loss_fn
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        return {
+            "step": self.step_idx,
+            "actor": self.actor.state_dict_for_checkpoint(),
+            "task": self.task.state_dict(),
+            "calibrator": self.calibrator.state_dict() if self.calibrator is not None else None,
+            "monitor": self.monitor.state_dict(),
+            "rng": {"rollout": self.rollout_gen.get_state(), "prompt": self.prompt_gen.get_state(),
+                    "shuffle": self.shuffle_gen.get_state(), "torch": torch.get_rng_state()},
+            "counters": {"consecutive_skips": self.consecutive_skips, "skipped_total": self.skipped_total},
+        }
+
+    def _restore(self, st: dict) -> None:
+        self.step_idx = int(st["step"])
+        self.actor.load_checkpoint_state(st["actor"])
+        self.task.load_state_dict(st["task"])
+        if self.calibrator is not None:
+            self.calibrator.load_state_dict(st["calibrator"])
+        self.monitor.load_state_dict(st["monitor"])
+        self.rollout_gen.set_state(st["rng"]["rollout"])
+        self.prompt_gen.set_state(st["rng"]["prompt"])
+        self.shuffle_gen.set_state(st["rng"]["shuffle"])
+        torch.set_rng_state(st["rng"]["torch"])
+        self.consecutive_skips = st["counters"]["consecutive_skips"]
+        self.skipped_total = st["counters"]["skipped_total"]
+
+    def save_checkpoint(self) -> Path:
+        return self.ckpt.save(self.step_idx, self._state(), model_fingerprint(self.cfg))
+
+    # ------------------------------------------------------------------ loop
+    def _on_signal(self, signum, _frame) -> None:
+        logger.warning("received signal %d: finishing the current step, checkpointing, exiting", signum)
+        self._stop_signal = signum
+
+    def fit(self) -> Dict[str, float]:
+        """Run to ``trainer.max_steps``; checkpoint every ``checkpoint_interval`` steps and at the end."""
+        t = self.cfg.trainer
+        last: Dict[str, float] = {}
+        old_handlers = {}
+        for s in (signal.SIGUSR1, signal.SIGTERM):
+            try:
+                old_handlers[s] = signal.signal(s, self._on_signal)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            while self.step_idx < t.max_steps:
+                metrics = self.step()
+                step_done = self.step_idx - 1
+                self.logger.log(step_done, metrics)
+                last = metrics
+                if self.consecutive_skips >= t.max_consecutive_skips:
+                    self.save_checkpoint()
+                    raise StopTraining(
+                        f"{self.consecutive_skips} consecutive updates had a non-finite loss or gradient and were "
+                        f"skipped (trainer.max_consecutive_skips={t.max_consecutive_skips}); checkpoint of the last "
+                        f"good state saved at step {self.step_idx}. Lower optim.lr or check the FP8 recipe."
+                    )
+                if _should_stop(self._stop_signal):
+                    self.save_checkpoint()
+                    logger.warning("checkpoint saved at step %d after signal; exiting for requeue", self.step_idx)
+                    return last
+                if t.checkpoint_interval and self.step_idx % t.checkpoint_interval == 0 and self.step_idx < t.max_steps:
+                    self.save_checkpoint()
+            if self.ckpt.latest_step() != self.step_idx:
+                self.save_checkpoint()
+            return last
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            if self.logger is not None:
+                self.logger.close()
+            self.task.close()
+
+
+def _should_stop(sig: Optional[int]) -> bool:
+    """All ranks agree to stop if any rank received the signal."""
+    flag = torch.tensor([1.0 if sig is not None else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def _task_factory(name: str):
+    from nemo_fp8rl.tasks import base as tb
+
+    tb._load_builtin_tasks()
+    if name not in tb._TASKS:
+        raise ValueError(f"task.name={name!r} is unknown; valid tasks: {sorted(tb._TASKS)}")
+    return tb._TASKS[name]
+
+
+def _merge_groups(parts, chosen, group_size: int, pad_id: int):
+    """Concatenate the chosen (part, group) pairs of several rollouts into one batch, re-padded."""
+    from nemo_fp8rl.rollout import RolloutBatch
+    from nemo_fp8rl.tasks.base import Scores
+
+    rows = [(i, g * group_size + k) for i, g in chosen for k in range(group_size)]
+    width = max(p[0].tokens.shape[1] for p in parts)
+
+    def take(name, pad_value):
+        return torch.stack([
+            torch.nn.functional.pad(getattr(parts[i][0], name)[r], (0, width - parts[i][0].tokens.shape[1]),
+                                    value=pad_value)
+            for i, r in rows
+        ])
+
+    def pick(get):
+        return torch.stack([get(parts[i])[r] for i, r in rows])
+
+    batch = RolloutBatch(
+        tokens=take("tokens", pad_id), mask=take("mask", 0.0), rollout_logp=take("rollout_logp", 0.0),
+        prompt_lens=pick(lambda p: p[0].prompt_lens), response_lens=pick(lambda p: p[0].response_lens),
+        finished=pick(lambda p: p[0].finished),
+    )
+    scores = Scores(
+        rewards=pick(lambda p: p[1].rewards), correct=pick(lambda p: p[1].correct),
+        invalid=pick(lambda p: p[1].invalid), errors=sum(p[1].errors for p in parts),
+    )
+    return batch, scores, pick(lambda p: p[2]), pick(lambda p: p[3])
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before any work when the output directory cannot be created or written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"x" * 4096)
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"output_dir={str(out)!r} is not writable ({e.strerror}); choose a writable directory") from e
+
+
+@contextmanager
+def _timed(timings: Dict[str, float], key: str):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0

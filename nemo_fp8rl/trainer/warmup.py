@@ -1,0 +1,87 @@
+"""Supervised warm-up: teach the task's format (and some of its answers) before RL.
+
+RL on a verifiable task needs a policy that is right part of the time; a randomly initialised tiny
+model never is. The warm-up trains with token-level cross-entropy on the task's demonstrations in
+high precision (FP8 off, a fresh AdamW), exactly as every arm of a comparison would start from the
+same SFT checkpoint. The result is cached by a hash of everything that shapes it, so the bf16, fp8
+and fp8_calibrated arms of one seed start from the same weights and pay for the warm-up once.
+
+    loss = - sum_t m_t log p(x_t | x_<t) / sum_t m_t      (m = 1 on the response tokens)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_fp8rl.algorithms import make_metric, metrics_to_floats
+from nemo_fp8rl.config.model import ModelConfig
+from nemo_fp8rl.config.schema import TrainConfig
+from nemo_fp8rl.trainer.checkpoint import atomic_write_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def sft_loss(mb, logprobs, entropy, *, global_tokens, global_seqs):
+    """Token-mean negative log-likelihood over the minibatch (normalised by its global token count)."""
+    m = mb["mask"]
+    loss = -(logprobs * m).sum() / global_tokens.clamp(min=1)
+    return loss, {"warmup/nll": make_metric(loss.detach(), "sum"),
+                  "warmup/entropy": make_metric((entropy.detach() * m).sum() / global_tokens.clamp(min=1), "sum")}
+
+
+def warmup_key(cfg: TrainConfig, model_cfg: ModelConfig) -> str:
+    """Hash of what determines the warmed-up weights (layout included: TP changes float summation)."""
+    blob = json.dumps({
+        "model": dataclasses.asdict(model_cfg), "task": dataclasses.asdict(cfg.task),
+        "warmup": {k: v for k, v in dataclasses.asdict(cfg.warmup).items() if k not in ("cache", "cache_dir")},
+        "parallel": dataclasses.asdict(cfg.parallel), "seed": cfg.seed, "version": 1,
+    }, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_warmup(cfg: TrainConfig, model_cfg: ModelConfig, task) -> Optional[Dict[str, torch.Tensor]]:
+    """Warmed-up weights (Hugging Face naming, full tensors) or None when ``warmup.steps == 0``."""
+    from nemo_fp8rl.models import build_actor
+
+    w = cfg.warmup
+    if w.steps == 0:
+        return None
+    path = Path(w.cache_dir) / f"warmup-{warmup_key(cfg, model_cfg)}.pt"
+    if w.cache and path.is_file():
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            logger.info("warm-up: reusing %s", path)
+            return blob["weights"]
+        except Exception as e:  # noqa: BLE001  (a corrupt cache entry is recomputed, not fatal)
+            logger.warning("warm-up cache %s unreadable (%s); recomputing", path, e)
+    t0 = time.time()
+    actor = build_actor(model_cfg, cfg.parallel, fp8_recipe=None, seed=cfg.seed, lr=w.lr,
+                        grad_clip=cfg.optim.grad_clip, use_te=cfg.fp8.use_te)
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1 + actor.dp_rank)
+    log_every = max(1, w.steps // 5)
+    for s in range(w.steps):
+        tokens, mask = task.warmup_examples(w.batch_size, gen)
+        m = actor.train_step({"tokens": tokens, "mask": mask.float()}, sft_loss)
+        if (s + 1) % log_every == 0 or s == 0:
+            f = metrics_to_floats(m)
+            logger.info("warm-up %d/%d nll %.4f entropy %.4f", s + 1, w.steps, f["warmup/nll"], f["warmup/entropy"])
+    weights = actor.export_weights()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if w.cache and rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save({"weights": weights, "seconds": time.time() - t0}, buf)
+        atomic_write_bytes(path, buf.getvalue())
+    logger.info("warm-up: %d steps in %.0fs", w.steps, time.time() - t0)
+    del actor
+    return weights
