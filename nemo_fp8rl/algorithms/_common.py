@@ -43,7 +43,9 @@ def as_bool_mask(mask: torch.Tensor | None, like: torch.Tensor, name: str = "mas
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of 0/1 or bool, got {type(mask).__name__}")
     if mask.shape != like.shape:
-        raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected {tuple(like.shape)} (same as the data)")
+        raise ValueError(
+            f"{name} has shape {tuple(mask.shape)}, expected {tuple(like.shape)} (same as the data)"
+        )
     return mask if mask.dtype == torch.bool else mask != 0
 
 
@@ -86,8 +88,15 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor, empty: float) -> torch.Tenso
     return torch.where(mask.any(), v, torch.full_like(v, empty))
 
 
-def check_number(name: str, value: object, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, hint: str = "") -> float:
+def check_number(
+    name: str,
+    value: object,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    hint: str = "",
+) -> float:
     """Validate a real number in [low, high] (or (low, high] with ``low_open``) and return it as float."""
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
         raise ValueError(f"{name} must be a finite number, got {value!r}. {hint}".rstrip())
@@ -98,3 +107,8 @@ def check_number(name: str, value: object, *, low: float | None = None, high: fl
     if high is not None and v > high:
         raise ValueError(f"{name} must be <= {high}, got {v}. {hint}".rstrip())
     return v
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (bf16/fp16 log-probs are upcast; float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))

@@ -8,7 +8,8 @@ over the response tokens, the losses accept ``[batch]`` advantages directly).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -134,7 +135,9 @@ def overlong_reward_shaping(
     if not isinstance(response_lengths, torch.Tensor) or response_lengths.dim() != 1:
         raise ValueError("response_lengths must be a 1-D tensor [n] of token counts")
     lmax = check_number("max_len", max_len, low=0, low_open=True)
-    cache = check_number("buffer_len", buffer_len, low=0, high=lmax, hint="buffer_len must lie in [0, max_len]")
+    cache = check_number(
+        "buffer_len", buffer_len, low=0, high=lmax, hint="buffer_len must lie in [0, max_len]"
+    )
     factor = check_number("penalty_factor", penalty_factor, low=0.0)
     length = response_lengths.float()
     soft_start = lmax - cache

@@ -64,19 +64,27 @@ class CalibrationResult:
     skipped: bool = False
 
 
-def _check_config(eps_low, eps_high, upper_mode, lower_min, upper_max, min_tokens) -> tuple[float, float, float, float]:
+def _check_config(
+    eps_low, eps_high, upper_mode, lower_min, upper_max, min_tokens
+) -> tuple[float, float, float, float]:
     el = check_number("eps_low", eps_low, low=0.0, high=1.0, low_open=True, hint="e.g. eps_low=0.2")
-    eh = check_number("eps_high", eps_high, low=0.0, low_open=True, hint="e.g. eps_high=0.2 (GRPO) or 0.28 (DAPO)")
+    eh = check_number(
+        "eps_high", eps_high, low=0.0, low_open=True, hint="e.g. eps_high=0.2 (GRPO) or 0.28 (DAPO)"
+    )
     if el >= 1.0:
         raise ValueError(f"eps_low must be < 1 so that 1 - eps_low > 0, got {el}")
     if upper_mode not in UPPER_MODES:
         raise ValueError(f"unknown upper_mode {upper_mode!r}; valid modes: {list(UPPER_MODES)}")
     lmin = check_number("lower_min", lower_min, low=0.0, low_open=True)
     if lmin > 1.0 - el:
-        raise ValueError(f"lower_min ({lmin}) must be <= 1 - eps_low ({1.0 - el}); lower it or reduce eps_low")
+        raise ValueError(
+            f"lower_min ({lmin}) must be <= 1 - eps_low ({1.0 - el}); lower it or reduce eps_low"
+        )
     umax = check_number("upper_max", upper_max, low=1.0)
     if umax < 1.0 + eh:
-        raise ValueError(f"upper_max ({umax}) must be >= 1 + eps_high ({1.0 + eh}); raise it or reduce eps_high")
+        raise ValueError(
+            f"upper_max ({umax}) must be >= 1 + eps_high ({1.0 + eh}); raise it or reduce eps_high"
+        )
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 1:
         raise ValueError(f"min_tokens must be an int >= 1, got {min_tokens!r}")
     return el, eh, lmin, umax
@@ -207,8 +215,10 @@ def calibrate_bounds(
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if ref_ratio.shape != ratio.shape:
-        raise ValueError(f"ref_ratio has shape {tuple(ref_ratio.shape)} but ratio has {tuple(ratio.shape)}; "
-                         f"pass BF16 shadow ratios of the same tokens")
+        raise ValueError(
+            f"ref_ratio has shape {tuple(ref_ratio.shape)} but ratio has {tuple(ratio.shape)}; "
+            f"pass BF16 shadow ratios of the same tokens"
+        )
     adv = expand_advantages(advantages, ratio) if ratio.dim() == 2 else advantages
     if not isinstance(adv, torch.Tensor) or adv.shape != ratio.shape:
         raise ValueError(f"advantages must have the shape of ratio {tuple(ratio.shape)}")
@@ -243,9 +253,16 @@ def calibrate_bounds(
 
     if tokens < min_tokens or n_neg == 0:
         return CalibrationResult(
-            lower=L0, upper=H0, alpha_bf16=alpha_bf16, alpha_fp8_nominal=alpha_fp8, false_clip_rate=false_clip,
-            balance_bf16=balance_bf16, balance_fp8=balance_fp8_nominal, tokens=tokens,
-            balance_fp8_nominal=balance_fp8_nominal, skipped=True,
+            lower=L0,
+            upper=H0,
+            alpha_bf16=alpha_bf16,
+            alpha_fp8_nominal=alpha_fp8,
+            false_clip_rate=false_clip,
+            balance_bf16=balance_bf16,
+            balance_fp8=balance_fp8_nominal,
+            tokens=tokens,
+            balance_fp8_nominal=balance_fp8_nominal,
+            skipped=True,
         )
 
     lower_raw_t = _quantile_lower(torch.sort(rN).values, k)
@@ -255,8 +272,15 @@ def calibrate_bounds(
     m_neg = _mass_above(rN, aN, lower_t)
 
     if upper_mode == "balance":
-        upper_raw = balance_upper(rP, aP, mass_neg=m_neg, mass_pos_ref=m_pos_ref, mass_neg_ref=m_neg_ref,
-                                  upper_min=H0, upper_cap=umax)
+        upper_raw = balance_upper(
+            rP,
+            aP,
+            mass_neg=m_neg,
+            mass_pos_ref=m_pos_ref,
+            mass_neg_ref=m_neg_ref,
+            upper_min=H0,
+            upper_cap=umax,
+        )
     elif upper_mode == "quantile":
         j = int((rhoP > H0_t.to(rhoP.device)).sum())
         if n_pos == 0:
@@ -274,9 +298,18 @@ def calibrate_bounds(
     balance_fp8 = _safe_ratio(_mass_below(rP, aP, torch.tensor(upper, dtype=wd)), m_neg)
 
     return CalibrationResult(
-        lower=lower, upper=upper, alpha_bf16=alpha_bf16, alpha_fp8_nominal=alpha_fp8, false_clip_rate=false_clip,
-        balance_bf16=balance_bf16, balance_fp8=balance_fp8, tokens=tokens, lower_raw=lower_raw,
-        upper_raw=upper_raw, balance_fp8_nominal=balance_fp8_nominal, skipped=False,
+        lower=lower,
+        upper=upper,
+        alpha_bf16=alpha_bf16,
+        alpha_fp8_nominal=alpha_fp8,
+        false_clip_rate=false_clip,
+        balance_bf16=balance_bf16,
+        balance_fp8=balance_fp8,
+        tokens=tokens,
+        lower_raw=lower_raw,
+        upper_raw=upper_raw,
+        balance_fp8_nominal=balance_fp8_nominal,
+        skipped=False,
     )
 
 
@@ -343,7 +376,11 @@ class CalibratedClipping:
         self.eps_low, self.eps_high, self.lower_min, self.upper_max = _check_config(
             eps_low, eps_high, upper_mode, lower_min, upper_max, min_tokens
         )
-        for name, v, lo in (("interval", interval, 1), ("max_tokens", max_tokens, 1), ("start_step", start_step, 0)):
+        for name, v, lo in (
+            ("interval", interval, 1),
+            ("max_tokens", max_tokens, 1),
+            ("start_step", start_step, 0),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         if max_tokens < min_tokens:
@@ -353,7 +390,9 @@ class CalibratedClipping:
         if not isinstance(apply, bool):
             raise ValueError(f"apply must be a bool, got {apply!r}")
         self.interval = interval
-        self.ema = check_number("ema", ema, low=0.0, high=1.0, hint="ema is the weight of the old bound, in [0, 1]")
+        self.ema = check_number(
+            "ema", ema, low=0.0, high=1.0, hint="ema is the weight of the old bound, in [0, 1]"
+        )
         self.upper_mode = upper_mode
         self.min_tokens = min_tokens
         self.max_tokens = max_tokens
@@ -361,7 +400,11 @@ class CalibratedClipping:
         self.apply = apply
         self.seed = seed
         self.nominal = (1.0 - self.eps_low, 1.0 + self.eps_high)
-        il = self.nominal[0] if init_lower is None else check_number("init_lower", init_lower, low=0.0, high=1.0, low_open=True)
+        il = (
+            self.nominal[0]
+            if init_lower is None
+            else check_number("init_lower", init_lower, low=0.0, high=1.0, low_open=True)
+        )
         iu = self.nominal[1] if init_upper is None else check_number("init_upper", init_upper, low=1.0)
         if il >= iu:
             raise ValueError(f"init_lower ({il}) must be < init_upper ({iu})")
@@ -415,7 +458,9 @@ class CalibratedClipping:
         if not isinstance(ratio, torch.Tensor) or not isinstance(ref_ratio, torch.Tensor):
             raise ValueError("ratio and ref_ratio must be torch.Tensors")
         if ref_ratio.shape != ratio.shape:
-            raise ValueError(f"ref_ratio has shape {tuple(ref_ratio.shape)} but ratio has {tuple(ratio.shape)}")
+            raise ValueError(
+                f"ref_ratio has shape {tuple(ref_ratio.shape)} but ratio has {tuple(ratio.shape)}"
+            )
         adv = expand_advantages(advantages, ratio) if ratio.dim() == 2 else advantages
         if not isinstance(adv, torch.Tensor) or adv.shape != ratio.shape:
             raise ValueError(f"advantages must have the shape of ratio {tuple(ratio.shape)}")
@@ -423,15 +468,22 @@ class CalibratedClipping:
         if self._round_step is None:
             self._round_step = self._next_step() if step is None else int(step)
         wd = torch.promote_types(ratio.dtype, torch.float32)
-        x = torch.stack([ratio.detach().to(wd), ref_ratio.detach().to(wd), adv.detach().to(wd)]).reshape(3, -1)
+        x = torch.stack([ratio.detach().to(wd), ref_ratio.detach().to(wd), adv.detach().to(wd)]).reshape(
+            3, -1
+        )
         keep = m.reshape(-1) & torch.isfinite(x).all(0) & (x[2] != 0)
         x = x[:, keep]
         gen = torch.Generator().manual_seed(self._seed_for(self._round_step, self._calls))
         keys = torch.rand(x.shape[1], generator=gen, dtype=torch.float64).to(x.device)
         self._calls += 1
         if self._data is not None:
-            x = torch.cat([self._data.to(device=x.device, dtype=torch.promote_types(self._data.dtype, x.dtype)),
-                           x.to(torch.promote_types(self._data.dtype, x.dtype))], dim=1)
+            x = torch.cat(
+                [
+                    self._data.to(device=x.device, dtype=torch.promote_types(self._data.dtype, x.dtype)),
+                    x.to(torch.promote_types(self._data.dtype, x.dtype)),
+                ],
+                dim=1,
+            )
             keys = torch.cat([self._keys.to(x.device), keys])
         if keys.numel() > self.max_tokens:
             idx = torch.topk(keys, self.max_tokens, largest=False).indices.sort().values
@@ -459,14 +511,25 @@ class CalibratedClipping:
         data = self._data
         if data is None:
             device = torch.device("cpu")
-            if group is not None and torch.distributed.is_initialized() and torch.distributed.get_backend(group) == "nccl":
+            if (
+                group is not None
+                and torch.distributed.is_initialized()
+                and torch.distributed.get_backend(group) == "nccl"
+            ):
                 device = torch.device("cuda", torch.cuda.current_device())
             data = torch.zeros((3, 0), dtype=torch.float32, device=device)
         if group is not None:
             data = _all_gather_columns(data, group)
         res = calibrate_bounds(
-            data[0], data[1], data[2], None, eps_low=self.eps_low, eps_high=self.eps_high,
-            upper_mode=self.upper_mode, lower_min=self.lower_min, upper_max=self.upper_max,
+            data[0],
+            data[1],
+            data[2],
+            None,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            upper_mode=self.upper_mode,
+            lower_min=self.lower_min,
+            upper_max=self.upper_max,
             min_tokens=self.min_tokens,
         )
         if not res.skipped and self.apply:
@@ -508,7 +571,9 @@ class CalibratedClipping:
     def load_state_dict(self, state: dict) -> None:
         missing = {"lower", "upper", "calibrated", "last_step", "updates", "seed"} - set(state)
         if missing:
-            raise ValueError(f"calibration state is missing {sorted(missing)}; was it saved by CalibratedClipping?")
+            raise ValueError(
+                f"calibration state is missing {sorted(missing)}; was it saved by CalibratedClipping?"
+            )
         self._lower, self._upper = float(state["lower"]), float(state["upper"])
         self._calibrated = bool(state["calibrated"])
         self._last_step = None if state["last_step"] is None else int(state["last_step"])

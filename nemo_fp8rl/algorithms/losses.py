@@ -27,7 +27,8 @@ directly comparable with ``calib/alpha_bf16``.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -41,6 +42,7 @@ from nemo_fp8rl.algorithms._common import (
     masked_mean,
     masked_min,
     masked_sum,
+    upcast,
 )
 from nemo_fp8rl.algorithms.metrics import Metric
 
@@ -109,9 +111,13 @@ def _denominator(value: float | torch.Tensor | None, local: torch.Tensor, name: 
         return local.clamp(min=1)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be a scalar (0-dim tensor or number), got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} must be a scalar (0-dim tensor or number), got shape {tuple(value.shape)}"
+            )
         return value.reshape(()).to(local.device).clamp(min=1)
-    v = check_number(name, value, low=0.0, hint=f"pass the number of valid {name.split('_')[1]} in the minibatch")
+    v = check_number(
+        name, value, low=0.0, hint=f"pass the number of valid {name.split('_')[1]} in the minibatch"
+    )
     return torch.tensor(max(v, 1.0), device=local.device)
 
 
@@ -169,8 +175,14 @@ def agg_loss(
     elif mode == "seq-mean-token-sum":
         per_seq = seq_sum
     else:
-        t = loss_mat.shape[-1] if norm_len is None else int(
-            check_number("norm_len", norm_len, low=0, low_open=True, hint="use the maximum response length")
+        t = (
+            loss_mat.shape[-1]
+            if norm_len is None
+            else int(
+                check_number(
+                    "norm_len", norm_len, low=0, low_open=True, hint="use the maximum response length"
+                )
+            )
         )
         per_seq = seq_sum / t
     return per_seq.sum() / n_seq
@@ -205,7 +217,7 @@ def kl_penalty(
     check_same_shape("logp", logp, ref_logp=ref_logp)
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {list(KL_KINDS)}")
-    d = _up(logp) - _up(ref_logp)
+    d = upcast(logp) - upcast(ref_logp)
     if input_clamp is not None:
         c = check_number("input_clamp", input_clamp, low=0.0, low_open=True)
         d = d.clamp(-c, c)
@@ -222,7 +234,7 @@ def kl_penalty(
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution over the last dimension, in float32 (or float64 for float64 logits).
+    """Entropy of the softmax over the last dimension, in float32 (float64 for float64 logits).
 
     H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v with p = softmax(z). Tokens with z = -inf
     (masked vocabulary) contribute 0. Shape: ``[..., vocab]`` -> ``[...]``. This needs the full
@@ -230,7 +242,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ValueError("logits must be a tensor of shape [..., vocab]")
-    z = _up(logits)
+    z = upcast(logits)
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
     plogp = torch.where(p > 0, p * logp, torch.zeros((), device=z.device))
@@ -240,11 +252,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 # Policy losses
 # ---------------------------------------------------------------------------------------------------
-
-
-def _up(x: torch.Tensor) -> torch.Tensor:
-    """At least float32 (bf16/fp16 log-probs are upcast; float64 stays float64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _check_bounds(lower: object, upper: object, dual_clip: object) -> None:
@@ -258,14 +265,16 @@ def _check_bounds(lower: object, upper: object, dual_clip: object) -> None:
         if lo >= hi:
             raise ValueError(f"lower ({lo}) must be < upper ({hi})")
     if dual_clip is not None:
-        check_number("dual_clip", dual_clip, low=1.0, low_open=True, hint="dual clip c must be > 1 (usually 3) or None")
+        check_number(
+            "dual_clip", dual_clip, low=1.0, low_open=True, hint="dual clip c must be > 1 (usually 3) or None"
+        )
 
 
 def _prepare(logp, old_logp, advantages, mask, weights):
     check_2d("logp", logp)
     check_same_shape("logp", logp, old_logp=old_logp, weights=weights)
     m = as_bool_mask(mask, logp)
-    adv = _up(expand_advantages(advantages, logp))
+    adv = upcast(expand_advantages(advantages, logp))
     return m, adv
 
 
@@ -313,7 +322,7 @@ def _policy_metrics(
             dual_frac = (neg & (ratio > dual_clip)).sum() / n_neg if dual_clip is not None else zero
         else:
             low_frac = high_frac = dual_frac = zero
-        as_t = lambda b: torch.as_tensor(b, dtype=torch.float32, device=ratio.device).detach().reshape(())  # noqa: E731
+        as_t = lambda b: torch.as_tensor(b, dtype=torch.float32, device=ratio.device).detach().reshape(())
         return {
             "clip/low_frac": (low_frac.to(ratio.dtype), "mean"),
             "clip/high_frac": (high_frac.to(ratio.dtype), "mean"),
@@ -330,7 +339,9 @@ def _policy_metrics(
 def _finish(loss_mat, m, weights, agg_mode, global_tokens, global_seqs, norm_len):
     if weights is not None:
         loss_mat = loss_mat * weights.detach().to(loss_mat.dtype)
-    return agg_loss(loss_mat, m, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
+    return agg_loss(
+        loss_mat, m, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
+    )
 
 
 @register_policy_loss("ppo_clip")
@@ -370,7 +381,7 @@ def ppo_clip_loss(
     """
     _check_bounds(lower, upper, dual_clip)
     m, adv = _prepare(logp, old_logp, advantages, mask, weights)
-    log_ratio = (_up(logp) - _up(old_logp).detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = (upcast(logp) - upcast(old_logp).detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     loss_mat = clipped_surrogate(log_ratio.exp(), adv, lower, upper, dual_clip)
     loss = _finish(loss_mat, m, weights, agg_mode, global_tokens, global_seqs, norm_len)
     return loss, _policy_metrics(log_ratio, adv, m, lower, upper, dual_clip, clipped=True)
@@ -401,9 +412,9 @@ def reinforce_loss(
     """
     _check_bounds(lower, upper, dual_clip)
     m, adv = _prepare(logp, old_logp, advantages, mask, weights)
-    loss_mat = -adv * _up(logp)
+    loss_mat = -adv * upcast(logp)
     loss = _finish(loss_mat, m, weights, agg_mode, global_tokens, global_seqs, norm_len)
-    log_ratio = (_up(logp.detach()) - _up(old_logp)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = (upcast(logp.detach()) - upcast(old_logp)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return loss, _policy_metrics(log_ratio, adv, m, lower, upper, dual_clip, clipped=False)
 
 
@@ -435,8 +446,8 @@ def gspo_loss(
     """
     _check_bounds(lower, upper, dual_clip)
     m, adv = _prepare(logp, old_logp, advantages, mask, weights)
-    lp = _up(logp)
-    tok_log_ratio = lp - _up(old_logp).detach()
+    lp = upcast(logp)
+    tok_log_ratio = lp - upcast(old_logp).detach()
     seq_log_ratio = masked_sum(tok_log_ratio.detach(), m, dim=-1) / m.sum(-1).clamp(min=1)
     seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = seq_log_ratio.unsqueeze(-1) + lp - lp.detach()

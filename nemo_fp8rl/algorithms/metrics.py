@@ -16,7 +16,7 @@ denominator) and divided by the caller.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -44,7 +44,9 @@ def make_metric(value: torch.Tensor | float, reduction: str) -> Metric:
 
 
 def _check_metric(name: str, m: object) -> Metric:
-    if not (isinstance(m, tuple) and len(m) == 2 and isinstance(m[0], torch.Tensor) and isinstance(m[1], str)):
+    if not (
+        isinstance(m, tuple) and len(m) == 2 and isinstance(m[0], torch.Tensor) and isinstance(m[1], str)
+    ):
         raise ValueError(f"metric {name!r} must be a (tensor, reduction) tuple, got {type(m).__name__}")
     t, red = m
     if red not in REDUCTIONS:
@@ -55,7 +57,7 @@ def _check_metric(name: str, m: object) -> Metric:
 
 
 def reduce_metrics(
-    metric_dicts: Sequence[Mapping[str, Metric]], group: "torch.distributed.ProcessGroup | None" = None
+    metric_dicts: Sequence[Mapping[str, Metric]], group: torch.distributed.ProcessGroup | None = None
 ) -> dict[str, Metric]:
     """Combine metrics of several microbatches and, optionally, over a process group.
 
@@ -80,7 +82,9 @@ def reduce_metrics(
         for name, m in d.items():
             t, red = _check_metric(name, m)
             if kinds.setdefault(name, red) != red:
-                raise ValueError(f"metric {name!r} has reduction {red!r} in one entry and {kinds[name]!r} in another")
+                raise ValueError(
+                    f"metric {name!r} has reduction {red!r} in one entry and {kinds[name]!r} in another"
+                )
             values.setdefault(name, []).append(t.detach().reshape(()).to(torch.float64))
 
     local: dict[str, torch.Tensor] = {}
@@ -96,7 +100,12 @@ def reduce_metrics(
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group was given but torch.distributed is not initialised; pass group=None")
         world = dist.get_world_size(group)
-        ops = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        ops = {
+            "mean": dist.ReduceOp.SUM,
+            "sum": dist.ReduceOp.SUM,
+            "min": dist.ReduceOp.MIN,
+            "max": dist.ReduceOp.MAX,
+        }
         for red in REDUCTIONS:
             names = sorted(n for n in local if kinds[n] == red)
             if not names:

@@ -14,6 +14,7 @@ from nemo_fp8rl.algorithms._common import (
     check_same_shape,
     masked_max,
     masked_mean,
+    upcast,
 )
 from nemo_fp8rl.algorithms.metrics import Metric, make_metric
 
@@ -43,7 +44,7 @@ def mismatch_metrics(
     check_same_shape("old_logp", old_logp, rollout_logp=rollout_logp, hp_old_logp=hp_old_logp)
     m = as_bool_mask(mask, old_logp)
     with torch.no_grad():
-        d = torch.where(m, old_logp.detach().float() - rollout_logp.detach().float(), torch.zeros(()))
+        d = torch.where(m, upcast(old_logp.detach()) - upcast(rollout_logp.detach()), torch.zeros(()))
         ad = d.abs()
         out: dict[str, Metric] = {
             "mismatch/logp_abs_diff_mean": (masked_mean(ad, m), "mean"),
@@ -52,7 +53,7 @@ def mismatch_metrics(
             "mismatch/token_mult_prob_error": (masked_mean(torch.exp(ad), m), "mean"),
         }
         if hp_old_logp is not None:
-            hd = (old_logp.detach().float() - hp_old_logp.detach().float()).abs()
+            hd = (upcast(old_logp.detach()) - upcast(hp_old_logp.detach())).abs()
             out["mismatch/fp8_bf16_logp_abs_diff_mean"] = (masked_mean(hd, m), "mean")
     return out
 
@@ -79,7 +80,11 @@ class EntropySurgeMonitor:
     def __init__(self, window: int = 20, factor: float = 2.0, min_history: int = 5) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
-        if isinstance(min_history, bool) or not isinstance(min_history, int) or not 1 <= min_history <= window:
+        if (
+            isinstance(min_history, bool)
+            or not isinstance(min_history, int)
+            or not 1 <= min_history <= window
+        ):
             raise ValueError(f"min_history must be an int in [1, window={window}], got {min_history!r}")
         self.window = window
         self.factor = check_number("factor", factor, low=1.0, low_open=True, hint="e.g. factor=2.0")
@@ -96,7 +101,7 @@ class EntropySurgeMonitor:
         return s[(len(s) - 1) // 2]
 
     def update(self, entropy: float | torch.Tensor) -> dict[str, Metric]:
-        """Feed one step's mean entropy; returns ``stability/entropy_surge`` and ``stability/entropy_ratio``."""
+        """Feed one step's mean entropy; returns ``stability/entropy_{surge,ratio}`` metrics."""
         h = float(entropy)
         if not math.isfinite(h):
             raise ValueError(f"entropy must be finite, got {h}; check the loss for NaN before the monitor")

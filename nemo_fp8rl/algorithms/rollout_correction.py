@@ -29,6 +29,7 @@ from nemo_fp8rl.algorithms._common import (
     masked_max,
     masked_mean,
     masked_min,
+    upcast,
 )
 from nemo_fp8rl.algorithms.losses import LOG_RATIO_CLAMP
 from nemo_fp8rl.algorithms.metrics import Metric
@@ -50,7 +51,7 @@ def rollout_correction(
 
     rho_is_t = exp(clamp(old_logp_t - rollout_logp_t, -20, 20));
     ``tis``: w_t = min(rho_is_t, cap); ``icepop``: w_t = rho_is_t * 1[lo <= rho_is_t <= hi];
-    ``is``: w_t = rho_is_t; ``none``: w_t = 1; w_t = 0 on padding. See the module docstring for the references.
+    ``is``: w_t = rho_is_t; ``none``: w_t = 1; w_t = 0 on padding. References: module docstring.
 
     Args:
         old_logp: ``[batch, seq]`` trainer log-probs at the start of the step (pi_old).
@@ -69,9 +70,11 @@ def rollout_correction(
     check_same_shape("old_logp", old_logp, rollout_logp=rollout_logp)
     m = as_bool_mask(mask, old_logp)
     if mode not in ROLLOUT_CORRECTION_MODES:
-        raise ValueError(f"unknown rollout correction mode {mode!r}; valid modes: {list(ROLLOUT_CORRECTION_MODES)}")
+        raise ValueError(
+            f"unknown rollout correction mode {mode!r}; valid modes: {list(ROLLOUT_CORRECTION_MODES)}"
+        )
     with torch.no_grad():
-        diff = torch.where(m, old_logp.detach().float() - rollout_logp.detach().float(), torch.zeros(()))
+        diff = torch.where(m, upcast(old_logp.detach()) - upcast(rollout_logp.detach()), torch.zeros(()))
         is_ratio = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
         masked_frac = torch.zeros((), device=is_ratio.device)
         if mode == "tis":
@@ -79,7 +82,9 @@ def rollout_correction(
             weights = is_ratio.clamp(max=c)
         elif mode == "icepop":
             lo_v = check_number("lo", lo, low=0.0)
-            hi_v = check_number("hi", hi, low=lo_v, low_open=True, hint="icepop needs lo < hi, e.g. lo=0.5, hi=5")
+            hi_v = check_number(
+                "hi", hi, low=lo_v, low_open=True, hint="icepop needs lo < hi, e.g. lo=0.5, hi=5"
+            )
             inside = (is_ratio >= lo_v) & (is_ratio <= hi_v)
             weights = torch.where(inside, is_ratio, torch.zeros(()))
             masked_frac = (m & ~inside).sum() / m.sum().clamp(min=1)
@@ -92,6 +97,6 @@ def rollout_correction(
             "mismatch/is_ratio_mean": (masked_mean(is_ratio, m), "mean"),
             "mismatch/is_ratio_min": (masked_min(is_ratio, m, empty=1.0), "min"),
             "mismatch/is_ratio_max": (masked_max(is_ratio, m, empty=1.0), "max"),
-            "mismatch/masked_frac": (masked_frac.float(), "mean"),
+            "mismatch/masked_frac": (upcast(masked_frac), "mean"),
         }
     return weights, metrics

@@ -25,12 +25,18 @@ def run_gloo(cases_file: str | os.PathLike, func: str, *args, world: int = 2, ti
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "args.pkl"), "wb") as f:
             pickle.dump(args, f)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]),
+            OMP_NUM_THREADS="1",
+        )
         procs = [
             subprocess.Popen(
                 [sys.executable, __file__, str(cases_file), func, str(rank), str(world), tmp],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
             for rank in range(world)
         ]
@@ -63,7 +69,9 @@ def _child(cases_file: str, func: str, rank: int, world: int, tmp: str) -> None:
     spec.loader.exec_module(mod)
     with open(os.path.join(tmp, "args.pkl"), "rb") as f:
         args = pickle.load(f)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=rank, world_size=world
+    )
     try:
         result = getattr(mod, func)(rank, world, *args)
     finally:

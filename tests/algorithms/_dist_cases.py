@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from nemo_fp8rl.algorithms import CalibratedClipping, make_metric, metrics_to_floats, reduce_metrics
@@ -19,9 +18,13 @@ def reduce_case(rank: int, world: int):
     dist.all_reduce = counting
     try:
         mbs = [
-            {"loss": make_metric(float(rank + i), "mean"), "tok": make_metric(10.0 * (rank + 1), "sum"),
-             "kl": make_metric(0.5 * rank, "mean"), "rmin": make_metric(1.0 - rank - i, "min"),
-             "rmax": make_metric(rank + 2.0 * i, "max")}
+            {
+                "loss": make_metric(float(rank + i), "mean"),
+                "tok": make_metric(10.0 * (rank + 1), "sum"),
+                "kl": make_metric(0.5 * rank, "mean"),
+                "rmin": make_metric(1.0 - rank - i, "min"),
+                "rmax": make_metric(rank + 2.0 * i, "max"),
+            }
             for i in range(2)
         ]
         out = metrics_to_floats(reduce_metrics(mbs, group=dist.group.WORLD))

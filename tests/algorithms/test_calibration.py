@@ -19,7 +19,7 @@ from ._dist import run_gloo
 
 EPS_L, EPS_H = 0.2, 0.28
 L0, H0 = 1 - EPS_L, 1 + EPS_H
-f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731
+f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))
 
 
 def _flat(neg_r, neg_rho, pos_r, pos_rho, neg_a=None, pos_a=None):
@@ -111,7 +111,9 @@ def test_balance_hand_case_and_other_modes():
     assert fx.upper == pytest.approx(H0)
     # proportional follows a calibrated lower bound
     r2, rho2, a2 = _flat([0.6, 0.7, 1.0], [0.7, 0.9, 1.0], [1.0], [1.0])
-    p2 = calibrate_bounds(r2, rho2, a2, eps_low=EPS_L, eps_high=EPS_H, upper_mode="proportional", min_tokens=1)
+    p2 = calibrate_bounds(
+        r2, rho2, a2, eps_low=EPS_L, eps_high=EPS_H, upper_mode="proportional", min_tokens=1
+    )
     assert p2.lower == f32(0.7) and p2.upper == pytest.approx(1 + (1 - f32(0.7)) * EPS_H / EPS_L)
 
 
@@ -141,8 +143,17 @@ def test_guards_bind():
     assert res.lower_raw == f32(0.2) and res.lower == 0.5  # alpha = 1/4 -> r_(1) = 0.2 -> lower_min
     # quantile with beta = 0 gives max r = 5.0 -> capped at upper_max
     assert res.upper_raw == f32(5.0) and res.upper == 3.0
-    res2 = calibrate_bounds(r, rho, a, eps_low=EPS_L, eps_high=EPS_H, min_tokens=1, lower_min=0.1, upper_max=6.0,
-                            upper_mode="quantile")
+    res2 = calibrate_bounds(
+        r,
+        rho,
+        a,
+        eps_low=EPS_L,
+        eps_high=EPS_H,
+        min_tokens=1,
+        lower_min=0.1,
+        upper_max=6.0,
+        upper_mode="quantile",
+    )
     assert res2.lower == f32(0.2) and res2.upper == f32(5.0)
     # balance unreachable (FP8 has no positive mass at all) -> upper_max
     r3, rho3, a3 = _flat([0.9, 1.0], [0.9, 1.0], [4.0], [1.0])
@@ -151,7 +162,9 @@ def test_guards_bind():
     # every N token clipped in BF16: L* just above max r, then the 1 - eps_low guard
     r4, rho4, a4 = _flat([0.5, 0.6], [0.1, 0.2], [1.0], [1.0])
     res4 = calibrate_bounds(r4, rho4, a4, eps_low=EPS_L, eps_high=EPS_H, min_tokens=1)
-    assert res4.alpha_bf16 == 1.0 and res4.lower_raw > f32(0.6) and res4.lower == pytest.approx(res4.lower_raw)
+    assert (
+        res4.alpha_bf16 == 1.0 and res4.lower_raw > f32(0.6) and res4.lower == pytest.approx(res4.lower_raw)
+    )
     assert int((r4[:2] < res4.lower).sum()) == 2 and res4.upper == pytest.approx(H0)
 
 
@@ -209,17 +222,21 @@ def test_property_lower_quantile_matches_bf16_count(neg_r, data, eps_low):
     l0 = torch.tensor(1 - eps_low, dtype=torch.float32)
     k = int((rho[:n] < l0).sum())
     assert res.alpha_bf16 == k / n
-    below = lambda bound: int((r[:n] < torch.tensor(bound, dtype=torch.float32)).sum())  # noqa: E731
+    below = lambda bound: int((r[:n] < torch.tensor(bound, dtype=torch.float32)).sum())
     assert below(res.lower_raw) == math.floor(res.alpha_bf16 * n + 1e-9) == k
     if 0.05 < res.lower_raw <= 1 - eps_low:  # guards do not bind
-        assert res.lower == res.lower_raw and below(res.lower) / n == math.floor(res.alpha_bf16 * n + 1e-9) / n
+        assert (
+            res.lower == res.lower_raw and below(res.lower) / n == math.floor(res.alpha_bf16 * n + 1e-9) / n
+        )
     assert 0.05 <= res.lower <= 1 - eps_low and 1.2 - 1e-12 <= res.upper <= 3.0
 
 
 @settings(max_examples=100, deadline=None)
 @given(
     neg=st.lists(st.tuples(_ratio32, _ratio32, st.floats(0.1, 3.0)), min_size=1, max_size=30),
-    pos=st.lists(st.tuples(_ratio32, st.floats(1.375, 2.5, width=32), st.floats(0.1, 3.0)), min_size=1, max_size=30),
+    pos=st.lists(
+        st.tuples(_ratio32, st.floats(1.375, 2.5, width=32), st.floats(0.1, 3.0)), min_size=1, max_size=30
+    ),
     moved=st.data(),
 )
 def test_property_upper_is_monotone_in_p_ref(neg, pos, moved):
@@ -231,7 +248,7 @@ def test_property_upper_is_monotone_in_p_ref(neg, pos, moved):
     rho2 = rho1.clone()
     for i in idx:
         rho2[len(neg) + i] = 1.0
-    kw = dict(eps_low=EPS_L, eps_high=EPS_H, min_tokens=1)
+    kw = {"eps_low": EPS_L, "eps_high": EPS_H, "min_tokens": 1}
     res1 = calibrate_bounds(r, rho1, a, **kw)
     res2 = calibrate_bounds(r, rho2, a, **kw)
     assert res2.balance_bf16 >= res1.balance_bf16 or math.isnan(res1.balance_bf16)
@@ -249,12 +266,12 @@ def test_property_upper_is_monotone_in_p_ref(neg, pos, moved):
 def test_property_balance_upper_monotone_and_minimal(pos, mass_neg, p1, p2):
     r = torch.tensor([x[0] for x in pos])
     a = torch.tensor([x[1] for x in pos])
-    kw = dict(mass_neg=mass_neg, mass_neg_ref=1.0, upper_min=H0, upper_cap=3.0)
+    kw = {"mass_neg": mass_neg, "mass_neg_ref": 1.0, "upper_min": H0, "upper_cap": 3.0}
     h1 = balance_upper(r, a, mass_pos_ref=min(p1, p2), **kw)
     h2 = balance_upper(r, a, mass_pos_ref=max(p1, p2), **kw)
     assert H0 <= h1 <= h2 <= 3.0
     target = max(p1, p2) * mass_neg
-    mp = lambda h: sum(x * y for x, y in zip(r.tolist(), a.tolist()) if x <= f32(h))  # noqa: E731
+    mp = lambda h: sum(x * y for x, y in zip(r.tolist(), a.tolist()) if x <= f32(h))
     if h2 < 3.0:
         assert mp(h2) >= target * (1 - 1e-9)
     if h2 > H0:
@@ -287,13 +304,15 @@ def test_schedule_and_initial_bounds():
     c = CalibratedClipping(eps_low=EPS_L, eps_high=EPS_H)
     assert [s for s in range(65) if c.should_calibrate(s)] == [0, 20, 40, 60]
     assert c.bounds == pytest.approx((L0, H0))
-    c = CalibratedClipping(eps_low=EPS_L, eps_high=EPS_H, interval=10, start_step=5, init_lower=0.7, init_upper=1.5)
+    c = CalibratedClipping(
+        eps_low=EPS_L, eps_high=EPS_H, interval=10, start_step=5, init_lower=0.7, init_upper=1.5
+    )
     assert [s for s in range(30) if c.should_calibrate(s)] == [5, 15, 25]
     assert c.bounds == (0.7, 1.5)
 
 
 def test_first_calibration_sets_then_ema_blends():
-    kw = dict(eps_low=EPS_L, eps_high=EPS_H, min_tokens=16)
+    kw = {"eps_low": EPS_L, "eps_high": EPS_H, "min_tokens": 16}
     c = CalibratedClipping(ema=0.25, **kw)
     results = []
     for step, seed in ((0, 1), (20, 2)):
@@ -354,7 +373,9 @@ def test_max_tokens_keeps_a_deterministic_subset_from_all_minibatches():
     assert k1.shape[1] == 40 and m1["calib/tokens"] == 40
     assert torch.equal(k1, k2) and m1 == m2 and b1 == b2
     assert not torch.equal(k1, k3)
-    full = torch.cat([torch.stack([r[m], rho[m], adv[:, None].expand_as(r)[m]]) for r, rho, adv, m in data], 1)
+    full = torch.cat(
+        [torch.stack([r[m], rho[m], adv[:, None].expand_as(r)[m]]) for r, rho, adv, m in data], 1
+    )
     # kept tokens are a subset of the observed ones, in observation order, from every minibatch
     sizes = [int(m.sum()) for *_, m in data]
     pos = [int((full.T == col).all(1).nonzero()[0]) for col in k1.T]
@@ -363,7 +384,7 @@ def test_max_tokens_keeps_a_deterministic_subset_from_all_minibatches():
 
 
 def test_state_dict_resume_is_exact():
-    kw = dict(eps_low=EPS_L, eps_high=EPS_H, interval=2, max_tokens=50, min_tokens=8, seed=3)
+    kw = {"eps_low": EPS_L, "eps_high": EPS_H, "interval": 2, "max_tokens": 50, "min_tokens": 8, "seed": 3}
     steps = [(s, _step_data(100 + s)) for s in range(0, 8, 2)]
 
     def go(c, items):
@@ -403,10 +424,12 @@ def test_controller_config_errors():
 
 def test_two_gloo_ranks_get_identical_bounds_equal_to_single_process():
     shards = [_step_data(11, n_mb=2), _step_data(12, n_mb=3, B=6)]
-    kw = dict(eps_low=EPS_L, eps_high=EPS_H, min_tokens=16, max_tokens=100000)
+    kw = {"eps_low": EPS_L, "eps_high": EPS_H, "min_tokens": 16, "max_tokens": 100000}
     (b0, m0), (b1, m1) = run_gloo(Path(__file__).parent / "_dist_cases.py", "calibration_case", shards, kw)
     assert b0 == b1 and m0 == m1
-    single = calibrate_bounds(*_flat_concat(shards[0] + shards[1]), **{k: v for k, v in kw.items() if k != "max_tokens"})
+    single = calibrate_bounds(
+        *_flat_concat(shards[0] + shards[1]), **{k: v for k, v in kw.items() if k != "max_tokens"}
+    )
     assert b0 == (single.lower, single.upper)
     assert m0["calib/tokens"] == single.tokens
     local = CalibratedClipping(**kw)

@@ -46,7 +46,7 @@ def test_registry_has_required_losses_and_rejects_unknown_and_duplicates():
 def test_ppo_clip_hand_computed_values(mode, expected):
     # per token: max(-A r, -A clip(r)) = 0.8, 0.9 | -2.56, -2.2, -1.4
     logp, old, adv, mask = _hand_batch()
-    loss, metrics = get_policy_loss("ppo_clip")(logp, old, adv, mask, lower=L, upper=H, agg_mode=mode)
+    loss, _metrics = get_policy_loss("ppo_clip")(logp, old, adv, mask, lower=L, upper=H, agg_mode=mode)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
@@ -107,8 +107,13 @@ def _loop_reference(logp, old, adv, mask, lower, upper, c, weights, mode):
         n_tok += cnt
         if cnt:
             n_seq += 1
-            seq_losses.append({"seq-mean-token-mean": s / cnt, "seq-mean-token-sum": s,
-                               "seq-mean-token-sum-norm": s / T}.get(mode, 0.0))
+            seq_losses.append(
+                {
+                    "seq-mean-token-mean": s / cnt,
+                    "seq-mean-token-sum": s,
+                    "seq-mean-token-sum-norm": s / T,
+                }.get(mode, 0.0)
+            )
     if mode == "token-mean":
         return total / n_tok
     return sum(seq_losses) / n_seq
@@ -128,8 +133,9 @@ def test_ppo_clip_matches_readable_loop(mode, dual_clip):
     loss, _ = get_policy_loss("ppo_clip")(
         logp, old, adv, mask, lower=0.7, upper=1.3, dual_clip=dual_clip, weights=weights, agg_mode=mode
     )
-    ref = _loop_reference(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.7, 1.3, dual_clip,
-                          weights.tolist(), mode)
+    ref = _loop_reference(
+        logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.7, 1.3, dual_clip, weights.tolist(), mode
+    )
     assert loss.item() == pytest.approx(ref, rel=1e-10)
 
 
@@ -164,8 +170,14 @@ def _layout_batch():
 def test_global_normalisation_makes_loss_and_grad_independent_of_split(loss_name, mode):
     logp, old, adv, mask = _layout_batch()
     fn = get_policy_loss(loss_name)
-    kw = dict(lower=0.8, upper=1.28, agg_mode=mode, norm_len=6,
-              global_tokens=int(mask.sum()), global_seqs=int((mask.sum(-1) > 0).sum()))
+    kw = {
+        "lower": 0.8,
+        "upper": 1.28,
+        "agg_mode": mode,
+        "norm_len": 6,
+        "global_tokens": int(mask.sum()),
+        "global_seqs": int((mask.sum(-1) > 0).sum()),
+    }
     results = []
     for n_chunks in (1, 2, 8):  # 1x8 == 2x4 == 8x1 (chunks = microbatches x DP ranks)
         lp = logp.clone().requires_grad_(True)
@@ -180,16 +192,22 @@ def test_global_normalisation_makes_loss_and_grad_independent_of_split(loss_name
         torch.testing.assert_close(grad, results[0][1], rtol=1e-12, atol=1e-12)
     # without the global counts the split changes the result (so the check above is not vacuous)
     if mode in ("token-mean", "seq-mean-token-mean"):
-        local = sum(fn(logp[i], old[i], adv[i], mask[i], lower=0.8, upper=1.28, agg_mode=mode)[0]
-                    for i in torch.arange(8).chunk(2)) / 2
+        local = (
+            sum(
+                fn(logp[i], old[i], adv[i], mask[i], lower=0.8, upper=1.28, agg_mode=mode)[0]
+                for i in torch.arange(8).chunk(2)
+            )
+            / 2
+        )
         assert not torch.isclose(local, results[0][0])
 
 
 def test_weights_scale_per_token_and_are_detached():
     logp, old, adv, mask = _hand_batch()
     w = torch.tensor([[2.0, 0.5, 1.0], [0.0, 1.0, 3.0]], dtype=torch.float64, requires_grad=True)
-    loss, _ = get_policy_loss("ppo_clip")(logp, old, adv, mask, lower=L, upper=H, weights=w,
-                                          agg_mode="seq-mean-token-sum")
+    loss, _ = get_policy_loss("ppo_clip")(
+        logp, old, adv, mask, lower=L, upper=H, weights=w, agg_mode="seq-mean-token-sum"
+    )
     assert loss.item() == pytest.approx(((2 * 0.8 + 0.5 * 0.9) + (0.0 - 2.2 - 3 * 1.4)) / 2)
     loss.backward()
     assert w.grad is None
@@ -202,16 +220,21 @@ def test_reinforce_is_minus_advantage_times_logp():
     expected = (1 * (lp[0, 0] + lp[0, 1]) - 2 * (lp[1].sum())) / 5
     assert loss.item() == pytest.approx(expected.item())
     loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[0.2, 0.2, 0], [-0.4, -0.4, -0.4]], dtype=torch.float64))
-    assert metrics["clip/low_frac"][0].item() == 0 and metrics["policy/ratio_max"][0].item() == pytest.approx(1.5)
+    torch.testing.assert_close(
+        logp.grad, torch.tensor([[0.2, 0.2, 0], [-0.4, -0.4, -0.4]], dtype=torch.float64)
+    )
+    assert metrics["clip/low_frac"][0].item() == 0 and metrics["policy/ratio_max"][0].item() == pytest.approx(
+        1.5
+    )
 
 
 def test_gspo_matches_sequence_level_objective():
     logp, old, adv, mask = _layout_batch()
     eps_l, eps_h = 0.05, 0.06
     lp1 = logp.clone().requires_grad_(True)
-    loss, metrics = get_policy_loss("gspo")(lp1, old, adv, mask, lower=1 - eps_l, upper=1 + eps_h,
-                                            agg_mode="seq-mean-token-mean")
+    loss, metrics = get_policy_loss("gspo")(
+        lp1, old, adv, mask, lower=1 - eps_l, upper=1 + eps_h, agg_mode="seq-mean-token-mean"
+    )
     loss.backward()
     # direct sequence-level GSPO: s_i = exp(mean_t(logp - old)), l_i = max(-A s, -A clip(s)), mean over seqs
     lp2 = logp.clone().requires_grad_(True)
@@ -249,7 +272,9 @@ def test_kl_penalty_estimators():
 def test_entropy_from_logits_matches_categorical_and_handles_masked_vocab():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 11, generator=g)
-    torch.testing.assert_close(entropy_from_logits(logits), torch.distributions.Categorical(logits=logits).entropy())
+    torch.testing.assert_close(
+        entropy_from_logits(logits), torch.distributions.Categorical(logits=logits).entropy()
+    )
     masked = torch.tensor([[0.0, 0.0, float("-inf")]])
     assert entropy_from_logits(masked).item() == pytest.approx(math.log(2))
     assert entropy_from_logits(torch.tensor([[100.0, 0.0]], dtype=torch.bfloat16)).dtype == torch.float32
@@ -287,8 +312,17 @@ def test_losses_never_sync_with_host(name, monkeypatch):
 
     for attr in ("item", "tolist", "__float__", "__int__", "__bool__"):
         monkeypatch.setattr(torch.Tensor, attr, boom)
-    loss, metrics = get_policy_loss(name)(logp, old, adv, mask, lower=L, upper=H, dual_clip=3.0,
-                                          global_tokens=torch.tensor(5), global_seqs=torch.tensor(2))
+    loss, metrics = get_policy_loss(name)(
+        logp,
+        old,
+        adv,
+        mask,
+        lower=L,
+        upper=H,
+        dual_clip=3.0,
+        global_tokens=torch.tensor(5),
+        global_seqs=torch.tensor(2),
+    )
     loss.backward()
     monkeypatch.undo()
     assert all(v[0].dim() == 0 and not v[0].requires_grad for v in metrics.values())

@@ -4,13 +4,18 @@ import pytest
 import torch
 
 from nemo_fp8rl.algorithms.metrics import make_metric, metrics_to_floats, reduce_metrics
+
 from ._dist import run_gloo
 
 
 def test_local_reduction_by_kind():
     d1 = {"m": make_metric(1.0, "mean"), "s": make_metric(2.0, "sum"), "lo": make_metric(4.0, "min")}
-    d2 = {"m": make_metric(3.0, "mean"), "s": make_metric(5.0, "sum"), "lo": make_metric(-1.0, "min"),
-          "hi": make_metric(torch.tensor([7.0]), "max")}
+    d2 = {
+        "m": make_metric(3.0, "mean"),
+        "s": make_metric(5.0, "sum"),
+        "lo": make_metric(-1.0, "min"),
+        "hi": make_metric(torch.tensor([7.0]), "max"),
+    }
     out = metrics_to_floats(reduce_metrics([d1, d2]))
     assert out == {"m": 2.0, "s": 7.0, "lo": -1.0, "hi": 7.0}
     red = reduce_metrics([d1, d2])

@@ -16,11 +16,15 @@ def test_mismatch_metrics_hand_values():
     assert out["mismatch/logp_abs_diff_mean"] == pytest.approx(sum(abs(x) for x in valid) / 5, rel=1e-5)
     assert out["mismatch/logp_abs_diff_max"] == pytest.approx(0.5, rel=1e-5)
     assert out["mismatch/k3_kl"] == pytest.approx(sum(math.exp(x) - 1 - x for x in valid) / 5, rel=1e-4)
-    assert out["mismatch/token_mult_prob_error"] == pytest.approx(sum(math.exp(abs(x)) for x in valid) / 5, rel=1e-5)
+    assert out["mismatch/token_mult_prob_error"] == pytest.approx(
+        sum(math.exp(abs(x)) for x in valid) / 5, rel=1e-5
+    )
     assert "mismatch/fp8_bf16_logp_abs_diff_mean" not in out
     hp = old - torch.tensor([[0.2, 0.2, -0.2], [0.0, 0.4, 5.0]])
     out2 = metrics_to_floats(mismatch_metrics(old, rollout, mask, hp_old_logp=hp))
-    assert out2["mismatch/fp8_bf16_logp_abs_diff_mean"] == pytest.approx((0.2 + 0.2 + 0.2 + 0 + 0.4) / 5, rel=1e-5)
+    assert out2["mismatch/fp8_bf16_logp_abs_diff_mean"] == pytest.approx(
+        (0.2 + 0.2 + 0.2 + 0 + 0.4) / 5, rel=1e-5
+    )
 
 
 def test_identical_logprobs_give_no_mismatch():

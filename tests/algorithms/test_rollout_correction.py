@@ -23,7 +23,7 @@ def test_tis_truncates_at_cap():
     w5, _ = rollout_correction(old, rollout, mask, "tis", cap=5.0)
     torch.testing.assert_close(w5, torch.tensor([[0.25, 1.0, 3.0], [5.0, 0.6, 0.0]]))
     assert m["mismatch/is_ratio_mean"][0].item() == pytest.approx((0.25 + 1 + 3 + 6 + 0.6) / 5)
-    assert m["mismatch/is_ratio_min"] [0].item() == pytest.approx(0.25)
+    assert m["mismatch/is_ratio_min"][0].item() == pytest.approx(0.25)
     assert m["mismatch/is_ratio_max"][0].item() == pytest.approx(6.0)
     assert m["mismatch/is_ratio_min"][1] == "min" and m["mismatch/is_ratio_max"][1] == "max"
     assert m["mismatch/masked_frac"][0].item() == 0.0
@@ -38,7 +38,7 @@ def test_icepop_masks_outside_band_and_keeps_ratio_inside():
 
 def test_none_and_plain_is():
     old, rollout, mask = _batch()
-    w, m = rollout_correction(old, rollout, mask, "none")
+    w, _m = rollout_correction(old, rollout, mask, "none")
     torch.testing.assert_close(w, mask.float())
     w_is, _ = rollout_correction(old, rollout, mask, "is")
     torch.testing.assert_close(w_is, torch.tensor([[0.25, 1.0, 3.0], [6.0, 0.6, 0.0]]))
