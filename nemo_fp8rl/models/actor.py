@@ -289,7 +289,7 @@ class FP8Actor:
 
     # ------------------------------------------------------------------ training
     def _sync_grads(self) -> None:
-        """Sum gradients over DP; all-reduce sequence-parallel norm grads over TP; tied embeddings over PP."""
+        """Sum gradients over DP; partial-sum replicated grads (QK norms, SP norms) over TP; tied embeddings over PP."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -305,9 +305,17 @@ class FP8Actor:
                 dist.all_reduce(flat, group=self.dp_group)
                 for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                     g.copy_(synced)
-        if self.parallel_cfg.sequence_parallel:
-            for p in params:
-                if getattr(p, "sequence_parallel", False):
+        if self.tp_size > 1:
+            # Replicated parameters that see only this rank's part of the work: QK-norm weights (each
+            # rank normalises its own heads) and, under sequence parallelism, the norms (each rank
+            # sees its sequence shard). Their gradients are partial sums (megatron's
+            # _allreduce_non_tensor_model_parallel_grads).
+            for name, p in self.model.named_parameters():
+                if not p.requires_grad:
+                    continue
+                qk = self.model_cfg.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+                sp = self.parallel_cfg.sequence_parallel and getattr(p, "sequence_parallel", False)
+                if qk or sp:
                     dist.all_reduce(p.grad, group=self.tp_group)
         if self.pp_size > 1 and not self.model_cfg.untie_embeddings_and_output_weights:
             if self.is_first_stage or self.is_last_stage:
@@ -332,7 +340,7 @@ class FP8Actor:
     def _broadcast_metrics(self, metrics: Optional[dict[str, Metric]]) -> dict[str, Metric]:
         if self.pp_size == 1:
             return metrics
-        obj = [{k: (v.detach().cpu(), r) for k, v in metrics.items()} if self.is_last_stage else None]
+        obj = [{k: (v.detach().cpu(), r) for k, (v, r) in metrics.items()} if self.is_last_stage else None]
         dist.broadcast_object_list(obj, src=self._pp_last_global, group=self.pp_group)
         return {k: (v.to(self.device), r) for k, (v, r) in obj[0].items()}
 

@@ -12,7 +12,8 @@ adds what our runs always need:
   parameters instead), and with the TE spec the recipe's FP8 fields
   (:meth:`~nemo_fp8rl.fp8.Fp8Recipe.to_megatron_kwargs`).
 
-Weights are not initialised by megatron (``perform_initialization=False``): the actor fills them with
+Megatron's initialisation runs (it also sets the ``tensor_model_parallel`` attributes of sharded
+parameters), but its values depend on the layout; the actor overwrites them with
 :func:`nemo_fp8rl.models.hf_weights.init_hf_state_dict` through ``load_weights``, which is
 independent of the TP/PP layout (same seed -> same model for any layout).
 
@@ -141,7 +142,9 @@ def make_transformer_config(
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         sequence_parallel=parallel_cfg.sequence_parallel,
         use_cpu_initialization=not on_gpu,
-        perform_initialization=False,
+        # Megatron's own init runs (it also tags sharded parameters with `tensor_model_parallel`, which
+        # the grad-norm and checkpoint code rely on); the actor then overwrites the values.
+        perform_initialization=True,
         calculate_per_token_loss=True,
         variable_seq_lengths=True,
         # Dense model; megatron rejects variable_seq_lengths with its default MoE dispatcher name anyway.

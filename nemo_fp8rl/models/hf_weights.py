@@ -265,7 +265,7 @@ def export_stage_hf(model, cfg: ModelConfig, tp_group) -> dict[str, torch.Tensor
     out: dict[str, torch.Tensor] = {}
 
     def put(name, t):
-        out[name] = t.detach().float().cpu()
+        out[name] = t.detach().to(device="cpu", dtype=torch.float32, copy=True)
 
     if getattr(model, "pre_process", False):
         emb = torch.cat(tp.gather(model.embedding.word_embeddings.weight.detach()), 0)
