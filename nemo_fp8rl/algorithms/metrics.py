@@ -100,6 +100,8 @@ def reduce_metrics(
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group was given but torch.distributed is not initialised; pass group=None")
         world = dist.get_world_size(group)
+        # NCCL reduces CUDA tensors only; metrics made on the host (e.g. calibration) are moved there.
+        nccl = dist.get_backend(group) == "nccl"
         ops = {
             "mean": dist.ReduceOp.SUM,
             "sum": dist.ReduceOp.SUM,
@@ -110,7 +112,7 @@ def reduce_metrics(
             names = sorted(n for n in local if kinds[n] == red)
             if not names:
                 continue
-            device = local[names[0]].device
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else local[names[0]].device
             buf = torch.stack([local[n].to(device) for n in names])
             dist.all_reduce(buf, op=ops[red], group=group)
             if red == "mean":

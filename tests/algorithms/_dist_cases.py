@@ -1,10 +1,35 @@
-"""Functions run on each rank of a 2-process gloo group by ``_dist.run_gloo`` (see the tests)."""
+"""Functions run on each rank of a 2-process gloo group by ``_dist.run_gloo``, and their test data.
+
+All gloo checks of this folder run in one pair of processes (``all_cases``, through the session
+fixture ``gloo_results`` in conftest.py) because starting interpreters dominates their cost.
+"""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from nemo_fp8rl.algorithms import CalibratedClipping, make_metric, metrics_to_floats, reduce_metrics
+
+CALIB_KW = {"eps_low": 0.2, "eps_high": 0.28, "min_tokens": 16, "max_tokens": 100000}
+
+
+def step_data(seed, n_mb=2, B=8, T=16, noise=0.15):
+    """Minibatches (ratio, ref_ratio, advantages [B], mask) with FP8-like noise on the BF16 log-ratio."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_mb):
+        hp = 0.1 * torch.randn(B, T, generator=g)
+        r = (hp + noise * torch.randn(B, T, generator=g)).exp()
+        adv = torch.randn(B, generator=g)
+        mask = torch.rand(B, T, generator=g) > 0.2
+        out.append((r, hp.exp(), adv, mask))
+    return out
+
+
+def calibration_shards():
+    """Per-rank minibatches of one calibration step (rank 1 has more and larger minibatches)."""
+    return [step_data(11, n_mb=2), step_data(12, n_mb=3, B=6)]
 
 
 def reduce_case(rank: int, world: int):
@@ -33,10 +58,14 @@ def reduce_case(rank: int, world: int):
     return out, len(calls)
 
 
-def calibration_case(rank: int, world: int, shards, kwargs):
-    """Each rank observes its own shards (list of (ratio, ref_ratio, adv, mask)), then update over WORLD."""
-    ctrl = CalibratedClipping(**kwargs)
-    for r, rho, a, m in shards[rank]:
+def calibration_case(rank: int, world: int):
+    """Each rank observes its own shard, then ``update`` all-gathers over WORLD."""
+    ctrl = CalibratedClipping(**CALIB_KW)
+    for r, rho, a, m in calibration_shards()[rank]:
         ctrl.observe(r, rho, a, m, step=0)
     metrics = metrics_to_floats(ctrl.update(0, group=dist.group.WORLD))
     return ctrl.bounds, metrics
+
+
+def all_cases(rank: int, world: int):
+    return {"reduce": reduce_case(rank, world), "calibration": calibration_case(rank, world)}

@@ -1,5 +1,4 @@
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from nemo_fp8rl.algorithms import (
     metrics_to_floats,
 )
 
-from ._dist import run_gloo
+from ._dist_cases import CALIB_KW, calibration_shards, step_data
 
 EPS_L, EPS_H = 0.2, 0.28
 L0, H0 = 1 - EPS_L, 1 + EPS_H
@@ -280,18 +279,6 @@ def test_property_balance_upper_monotone_and_minimal(pos, mass_neg, p1, p2):
 
 
 # ------------------------------------------------------------------------------------ controller
-def _step_data(seed, n_mb=2, B=8, T=16, noise=0.15):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_mb):
-        hp = 0.1 * torch.randn(B, T, generator=g)
-        r = (hp + noise * torch.randn(B, T, generator=g)).exp()
-        adv = torch.randn(B, generator=g)
-        mask = torch.rand(B, T, generator=g) > 0.2
-        out.append((r, hp.exp(), adv, mask))
-    return out
-
-
 def _flat_concat(shards):
     rs, rhos, advs = [], [], []
     for r, rho, adv, mask in shards:
@@ -316,7 +303,7 @@ def test_first_calibration_sets_then_ema_blends():
     c = CalibratedClipping(ema=0.25, **kw)
     results = []
     for step, seed in ((0, 1), (20, 2)):
-        data = _step_data(seed)
+        data = step_data(seed)
         for mb in data:
             c.observe(*mb)
         m = metrics_to_floats(c.update(step))
@@ -332,7 +319,7 @@ def test_first_calibration_sets_then_ema_blends():
 
 
 def test_apply_false_measures_but_keeps_nominal_bounds():
-    data = _step_data(3)
+    data = step_data(3)
     on = CalibratedClipping(eps_low=EPS_L, eps_high=EPS_H)
     off = CalibratedClipping(eps_low=EPS_L, eps_high=EPS_H, apply=False)
     for c in (on, off):
@@ -345,11 +332,11 @@ def test_apply_false_measures_but_keeps_nominal_bounds():
 
 def test_skipped_calibration_keeps_previous_bounds():
     c = CalibratedClipping(eps_low=EPS_L, eps_high=EPS_H, min_tokens=64)
-    for mb in _step_data(4):
+    for mb in step_data(4):
         c.observe(*mb)
     c.update(0)
     before = c.bounds
-    r, rho, adv, mask = _step_data(5, n_mb=1, B=2, T=8)[0]
+    r, rho, adv, mask = step_data(5, n_mb=1, B=2, T=8)[0]
     c.observe(r, rho, adv, mask)
     m = metrics_to_floats(c.update(20))
     assert m["calib/skipped"] == 1.0 and m["calib/tokens"] < 64 and c.bounds == before
@@ -358,7 +345,7 @@ def test_skipped_calibration_keeps_previous_bounds():
 
 
 def test_max_tokens_keeps_a_deterministic_subset_from_all_minibatches():
-    data = _step_data(6, n_mb=3, B=4, T=10)  # ~32 valid tokens each
+    data = step_data(6, n_mb=3, B=4, T=10)  # ~32 valid tokens each
 
     def run(seed):
         c = CalibratedClipping(eps_low=EPS_L, eps_high=EPS_H, min_tokens=8, max_tokens=40, seed=seed)
@@ -385,7 +372,7 @@ def test_max_tokens_keeps_a_deterministic_subset_from_all_minibatches():
 
 def test_state_dict_resume_is_exact():
     kw = {"eps_low": EPS_L, "eps_high": EPS_H, "interval": 2, "max_tokens": 50, "min_tokens": 8, "seed": 3}
-    steps = [(s, _step_data(100 + s)) for s in range(0, 8, 2)]
+    steps = [(s, step_data(100 + s)) for s in range(0, 8, 2)]
 
     def go(c, items):
         out = []
@@ -422,17 +409,16 @@ def test_controller_config_errors():
         c.observe(torch.ones(2, 3), torch.ones(2, 3), torch.ones(3))
 
 
-def test_two_gloo_ranks_get_identical_bounds_equal_to_single_process():
-    shards = [_step_data(11, n_mb=2), _step_data(12, n_mb=3, B=6)]
-    kw = {"eps_low": EPS_L, "eps_high": EPS_H, "min_tokens": 16, "max_tokens": 100000}
-    (b0, m0), (b1, m1) = run_gloo(Path(__file__).parent / "_dist_cases.py", "calibration_case", shards, kw)
+def test_two_gloo_ranks_get_identical_bounds_equal_to_single_process(gloo_results):
+    (b0, m0), (b1, m1) = (r["calibration"] for r in gloo_results)
+    shards = calibration_shards()
     assert b0 == b1 and m0 == m1
-    single = calibrate_bounds(
-        *_flat_concat(shards[0] + shards[1]), **{k: v for k, v in kw.items() if k != "max_tokens"}
-    )
+    kw = {k: v for k, v in CALIB_KW.items() if k != "max_tokens"}
+    single = calibrate_bounds(*_flat_concat(shards[0] + shards[1]), **kw)
     assert b0 == (single.lower, single.upper)
     assert m0["calib/tokens"] == single.tokens
-    local = CalibratedClipping(**kw)
+    assert m0["calib/lower_raw"] == pytest.approx(single.lower_raw)
+    local = CalibratedClipping(**CALIB_KW)
     for mb in shards[0]:
         local.observe(*mb)
     local.update(0)

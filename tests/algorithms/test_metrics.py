@@ -1,11 +1,7 @@
-from pathlib import Path
-
 import pytest
 import torch
 
 from nemo_fp8rl.algorithms.metrics import make_metric, metrics_to_floats, reduce_metrics
-
-from ._dist import run_gloo
 
 
 def test_local_reduction_by_kind():
@@ -40,8 +36,8 @@ def test_metrics_to_floats_mixed_inputs_keep_order():
     assert list(out) == ["b", "a", "c"] and out == {"b": 2.5, "a": 1.0, "c": 3.0}
 
 
-def test_all_reduce_over_two_gloo_ranks_one_collective_per_kind():
-    results = run_gloo(Path(__file__).parent / "_dist_cases.py", "reduce_case")
+def test_all_reduce_over_two_gloo_ranks_one_collective_per_kind(gloo_results):
+    results = [r["reduce"] for r in gloo_results]
     # rank0 loss mbs 0,1 -> 0.5 ; rank1 -> 1.5 ; mean 1.0
     expected = {"loss": 1.0, "tok": 10.0 * 2 + 20.0 * 2, "kl": 0.25, "rmin": -1.0, "rmax": 3.0}
     for out, ncalls in results:
