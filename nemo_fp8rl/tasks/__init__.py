@@ -22,6 +22,7 @@ _EXPORTS = {
     "get_task": "base",
     "register_task": "base",
     "task_names": "base",
+    "task_class": "base",
     "pad_examples": "base",
     "ArithmeticTask": "arithmetic",
     "MathJsonlTask": "math_jsonl",

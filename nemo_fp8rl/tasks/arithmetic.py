@@ -45,7 +45,7 @@ class ArithmeticTask(Task):
 
     name = "arithmetic"
 
-    def __init__(self, digits: int = 3, format_reward: float = 0.0, seed: int = 0, reward_timeout_s: float = 10.0) -> None:
+    def __init__(self, digits: int = 3, format_reward: float = 0.0, seed: int = 0, reward_timeout_s: float = 5.0) -> None:
         if not (isinstance(digits, int) and 1 <= digits <= 9):
             raise ValueError(f"task.digits={digits!r} must be an integer in [1, 9]")
         if not (0.0 <= float(format_reward) < 1.0):

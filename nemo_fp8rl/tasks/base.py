@@ -13,6 +13,7 @@ in ``reward/errors``; training goes on.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
@@ -31,6 +32,7 @@ __all__ = [
     "register_task",
     "get_task",
     "task_names",
+    "task_class",
     "pad_examples",
 ]
 
@@ -161,7 +163,7 @@ class Task(ABC):
     name: str = "task"
     tokenizer: Tokenizer
 
-    def __init__(self, *, seed: int = 0, reward_timeout_s: float = 10.0) -> None:
+    def __init__(self, *, seed: int = 0, reward_timeout_s: float = 5.0) -> None:
         self.seed = int(seed)
         self.generator = torch.Generator().manual_seed(self.seed)
         """The task's own prompt-stream RNG (saved in ``state_dict``)."""
@@ -272,16 +274,20 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
+def task_class(name: str) -> type:
+    """The class registered as ``name`` (for inspecting its constructor's keys); unknown names raise."""
+    _load_builtin_tasks()
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r} (config key task.name); registered tasks: {sorted(_TASKS)}")
+    return _TASKS[name]  # type: ignore[return-value]
+
+
 def get_task(name: str, **cfg: Any) -> Task:
     """Build the task registered as ``name`` with keyword config ``cfg`` (config group ``task``).
 
     Unknown names and unknown keys raise ``ValueError`` listing the valid ones.
     """
-    _load_builtin_tasks()
-    if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r} (config key task.name); registered tasks: {sorted(_TASKS)}")
-    cls = _TASKS[name]
-    import inspect
+    cls = task_class(name)
 
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

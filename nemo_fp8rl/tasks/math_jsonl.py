@@ -67,7 +67,7 @@ class MathJsonlTask(Task):
         format_reward: float = 0.0,
         shuffle: bool = True,
         seed: int = 0,
-        reward_timeout_s: float = 10.0,
+        reward_timeout_s: float = 5.0,
     ) -> None:
         super().__init__(seed=seed, reward_timeout_s=reward_timeout_s)
         if on_error not in ("raise", "skip"):

@@ -132,7 +132,7 @@ class RewardRunner:
     must be picklable by reference (a module-level function or a ``functools.partial`` of one).
     """
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
+    def __init__(self, timeout_s: float = 5.0) -> None:
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"reward timeout {timeout_s!r} must be a positive number of seconds (task.reward_timeout_s)")
         self.timeout_s = float(timeout_s)

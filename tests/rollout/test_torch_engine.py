@@ -299,3 +299,18 @@ def test_fp8_rollout_logp_differs_from_high_precision_by_a_plausible_amount():
         assert 1e-3 < float(d.abs().mean()) < 0.3, (s, float(d.abs().mean()))
         assert abs(float(d.mean())) < 3 * float(d.std()) + 1e-3  # noise, not a systematic shift
     assert not torch.equal(diffs["vllm_w8a8"], diffs["vllm_block"])
+
+
+def test_sync_records_scales_when_the_scheme_reports_them():
+    from nemo_fp8rl.fp8.rollout import VllmW8A8
+
+    class W8A8WithScales(VllmW8A8):  # a scheme that exposes its per-tensor weight scale amax / 448
+        def weight_scales(self, w):
+            return w.abs().amax() / 448.0
+
+    cfg = ModelConfig(**CONFIGS["llama"])
+    eng = get_rollout_engine("torch", cfg, fp8_scheme=W8A8WithScales(), eos_id=EOS, pad_id=PAD)
+    rec = eng.update_weights(random_hf_weights(cfg))
+    assert eng.scheme_name == "W8A8WithScales"
+    for name, r in rec.items():
+        assert r["scale"] == pytest.approx(r["amax"] / 448.0) and r["num_scales"] == 1.0, name
