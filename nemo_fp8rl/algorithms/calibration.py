@@ -413,6 +413,7 @@ class CalibratedClipping:
         self._calibrated = False
         self._last_step: int | None = None
         self._updates = 0
+        self.last_result: CalibrationResult | None = None
         self._reset_buffer()
 
     # ------------------------------------------------------------------ schedule and bounds
