@@ -9,6 +9,7 @@ shaping), ``rollout_correction`` (TIS / IcePop), ``calibration`` (Calibrated Cli
 """
 
 from nemo_fp8rl.algorithms.advantages import (
+    AdvantageEstimator,
     dynamic_sampling_filter,
     get_advantage_estimator,
     grpo_advantages,
@@ -27,6 +28,7 @@ from nemo_fp8rl.algorithms.calibration import (
 from nemo_fp8rl.algorithms.losses import (
     AGG_MODES,
     KL_KINDS,
+    PolicyLossFn,
     agg_loss,
     clipped_surrogate,
     entropy_from_logits,
@@ -44,6 +46,8 @@ from nemo_fp8rl.algorithms.nemo_rl_adapter import ClippedPGLoss
 from nemo_fp8rl.algorithms.rollout_correction import ROLLOUT_CORRECTION_MODES, rollout_correction
 
 __all__ = [
+    "AdvantageEstimator",
+    "PolicyLossFn",
     "AGG_MODES",
     "KL_KINDS",
     "REDUCTIONS",
