@@ -46,18 +46,18 @@ from nemo_fp8rl.algorithms.nemo_rl_adapter import ClippedPGLoss
 from nemo_fp8rl.algorithms.rollout_correction import ROLLOUT_CORRECTION_MODES, rollout_correction
 
 __all__ = [
-    "AdvantageEstimator",
-    "PolicyLossFn",
     "AGG_MODES",
     "KL_KINDS",
     "REDUCTIONS",
     "ROLLOUT_CORRECTION_MODES",
     "UPPER_MODES",
+    "AdvantageEstimator",
     "CalibratedClipping",
     "CalibrationResult",
     "ClippedPGLoss",
     "EntropySurgeMonitor",
     "Metric",
+    "PolicyLossFn",
     "agg_loss",
     "balance_upper",
     "calibrate_bounds",
