@@ -44,9 +44,9 @@ from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
 from nemo_fp8rl.models.cpu_schedules import cpu_pipeline_schedules
 from nemo_fp8rl.models.gpt import build_gpt_model, padded_vocab_size, resolve_use_te
 from nemo_fp8rl.models.hf_weights import (
+    count_parameters,
     export_stage_hf,
     hf_names,
-    hf_shape,
     init_hf_state_dict,
     load_stage_hf,
     stage_hf_names,
@@ -145,15 +145,7 @@ class FP8Actor:
     def num_parameters(self) -> int:
         """Parameters of the whole model (all TP shards and PP stages; vocabulary padding and a tied
         head excluded) - the count a Hugging Face checkpoint of it would have."""
-        cfg = self.model_cfg
-        names = [n for n in hf_names(cfg) if not (n == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights)]
-        total = 0
-        for n in names:
-            c = 1
-            for d in hf_shape(cfg, n):
-                c *= d
-            total += c
-        return total
+        return count_parameters(self.model_cfg)
 
     # ------------------------------------------------------------------ schedule
     def _run_schedule(self, microbatches: list[dict], forward_only: bool, on_output: Callable) -> list:

@@ -110,6 +110,17 @@ def hf_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     raise KeyError(f"unknown HF tensor name {name!r}")
 
 
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of the architecture as a Hugging Face checkpoint holds them (no vocabulary padding;
+    a tied head counted once): sum of ``prod(hf_shape(name))`` over :func:`hf_names`."""
+    total = 0
+    for n in hf_names(cfg):
+        if n == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights:
+            continue
+        total += math.prod(hf_shape(cfg, n))
+    return total
+
+
 def _seed_for(seed: int, name: str) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
@@ -384,6 +395,7 @@ __all__ = [
     "hf_names",
     "hf_layer_names",
     "hf_shape",
+    "count_parameters",
     "init_hf_state_dict",
     "export_stage_hf",
     "stage_hf_names",
