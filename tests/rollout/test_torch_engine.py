@@ -314,3 +314,33 @@ def test_sync_records_scales_when_the_scheme_reports_them():
     assert eng.scheme_name == "W8A8WithScales"
     for name, r in rec.items():
         assert r["scale"] == pytest.approx(r["amax"] / 448.0) and r["num_scales"] == 1.0, name
+
+
+def test_bfloat16_compute_tracks_float32():
+    """dtype=bfloat16 (the GPU setting) runs the same code path; its log-probs stay near float32's."""
+    cfg = ModelConfig(**CONFIGS["qwen2"])
+    sd = random_hf_weights(cfg, seed=2, logit_scale=4.0)
+    f32 = get_rollout_engine("torch", cfg, fp8_scheme="vllm_w8a8", eos_id=EOS, pad_id=PAD)
+    bf16 = get_rollout_engine("torch", cfg, fp8_scheme="vllm_w8a8", eos_id=EOS, pad_id=PAD, dtype=torch.bfloat16)
+    f32.update_weights(sd)
+    bf16.update_weights(sd)
+    out = bf16.generate(RAGGED * 2, SamplingParams(max_new_tokens=8), torch.Generator().manual_seed(0))
+    out.validate()
+    assert out.rollout_logp.dtype == torch.float32 and bf16.weights.layers[0].w_qkv.dtype == torch.bfloat16
+    d = (out.rollout_logp - f32.logprobs(out.tokens) * out.mask)[out.mask.bool()]
+    assert 0 < float(d.abs().mean()) < 0.1
+
+
+@pytest.mark.gpu
+def test_cuda_engine_matches_cpu():
+    cfg = ModelConfig(**CONFIGS["qwen3"])
+    sd = random_hf_weights(cfg, seed=4, logit_scale=4.0)
+    # scheme off: with FP8 a GPU summation order could move a value across a rounding boundary
+    cpu = get_rollout_engine("torch", cfg, fp8_scheme="off", eos_id=EOS, pad_id=PAD)
+    gpu = get_rollout_engine("torch", cfg, fp8_scheme="off", eos_id=EOS, pad_id=PAD, device="cuda")
+    cpu.update_weights(sd)
+    gpu.update_weights(sd)
+    out = gpu.generate(RAGGED * 2, SamplingParams(max_new_tokens=8), torch.Generator().manual_seed(0))
+    out.validate()
+    m = out.mask.bool()
+    torch.testing.assert_close(out.rollout_logp[m], cpu.logprobs(out.tokens)[m], atol=1e-3, rtol=0)
