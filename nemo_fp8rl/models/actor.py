@@ -52,7 +52,7 @@ from nemo_fp8rl.models.hf_weights import (
     stage_hf_names,
 )
 from nemo_fp8rl.models.logprobs import token_logprobs_from_logits
-from nemo_fp8rl.models.parallel import init_distributed
+from nemo_fp8rl.models.parallel import init_distributed, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class FP8Actor:
             return out, partial(on_output, mb)
 
         seq = max(mb["tokens"].shape[1] for mb in microbatches)
-        with cpu_pipeline_schedules():
+        with cpu_pipeline_schedules(enabled=self.device.type == "cpu"):
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(microbatches),
@@ -500,6 +500,7 @@ def build_actor(
     grad_clip: float = 1.0,
     keep_reference: bool = False,
     use_te: Optional[bool] = None,
+    device: "str | torch.device | None" = None,
 ) -> FP8Actor:
     """Initialise distributed state, build this rank's GPT stage, initialise weights, build AdamW.
 
@@ -510,6 +511,7 @@ def build_actor(
         fp8_recipe: an :class:`~nemo_fp8rl.fp8.Fp8Recipe` or None (high precision).
         use_te: None = Transformer Engine spec when CUDA + TE are available, else the emulated spec.
         keep_reference: keep the initial weights on CPU for :meth:`FP8Actor.get_reference_logprobs`.
+        device: None = CUDA when available, else CPU; ``"cpu"`` runs the CPU path on a GPU machine.
     """
     from megatron.core import parallel_state as ps
 
@@ -525,14 +527,15 @@ def build_actor(
         )
     if lr <= 0:
         raise ValueError(f"lr={lr} must be > 0")
-    init_distributed(parallel_cfg, model_cfg)
-    use_te = resolve_use_te(use_te)
+    device = resolve_device(device)
+    init_distributed(parallel_cfg, model_cfg, device=device)
+    use_te = resolve_use_te(use_te, device)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
-    model, report = build_gpt_model(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te)
+    model, report = build_gpt_model(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te, device=device)
     device = next(model.parameters()).device
     init = init_hf_state_dict(model_cfg, seed, stage_hf_names(model, model_cfg), device=device)
     load_stage_hf(model, model_cfg, init, ps.get_tensor_model_parallel_rank(),

@@ -8,10 +8,10 @@ megatron-core 0.16's schedules are device-agnostic except for a handful of hard-
 
 Everything else (the 1F1B order, send/recv through ``torch.distributed``, which gloo implements) works
 on CPU. :func:`cpu_pipeline_schedules` rebinds the global name ``torch`` *inside those two megatron
-modules only*, *only while the block runs*, and *only when CUDA is unavailable*, to
+modules only*, *only while the block runs*, and *only for a model on the CPU*, to
 :class:`_CpuTorch`: a view of the real ``torch`` module whose tensor factories map ``device="cuda"``
 to the CPU and whose ``cuda.current_device()`` / ``cuda.synchronize()`` are CPU no-ops. Nothing in
-torch or elsewhere in megatron is modified, and with CUDA present the context manager does nothing,
+torch or elsewhere in megatron is modified, and for a CUDA model the context manager does nothing,
 so GPU runs execute megatron's schedule code verbatim.
 
 Why not a ``TorchFunctionMode`` that rewrites devices globally: it would also intercept our own
@@ -85,13 +85,15 @@ def _patched_modules():
 
 
 @contextlib.contextmanager
-def cpu_pipeline_schedules() -> Iterator[None]:
+def cpu_pipeline_schedules(enabled: bool = True) -> Iterator[None]:
     """Make megatron's ``get_forward_backward_func()`` schedules run on CPU inside the block.
 
-    No-op when CUDA is available. Re-entrant; restores the modules' ``torch`` on exit, even on error.
+    ``enabled`` is True for a model on the CPU (the actor passes ``model device == cpu``); with
+    ``enabled=False`` (a CUDA model) it does nothing. Re-entrant; restores the modules' ``torch`` on
+    exit, even on error.
     """
     global _depth
-    if torch.cuda.is_available():
+    if not enabled:
         yield
         return
     with _lock:

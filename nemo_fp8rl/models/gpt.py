@@ -47,10 +47,14 @@ def te_available() -> bool:
     return True
 
 
-def resolve_use_te(use_te: Optional[bool]) -> bool:
-    """``None`` -> TE when CUDA + TE are available; ``True`` without them raises."""
+def resolve_use_te(use_te: Optional[bool], device: "torch.device | None" = None) -> bool:
+    """``None`` -> TE when the model is on CUDA and TE is available; ``True`` without them raises."""
+    on_cpu = device is not None and torch.device(device).type == "cpu"
     if use_te is None:
-        return te_available()
+        return te_available() and not on_cpu
+    if use_te and on_cpu:
+        raise ValueError("use_te=True but the model runs on the CPU (no CUDA, or device='cpu'): Transformer "
+                         "Engine needs a GPU; use use_te=None/False for the emulated-FP8 spec")
     if use_te and not te_available():
         raise ValueError(
             "use_te=True needs CUDA and transformer_engine; pass use_te=None/False to use the "
@@ -100,12 +104,15 @@ def make_transformer_config(
     *,
     fp8_recipe=None,
     use_te: bool = False,
+    device: "torch.device | str | None" = None,
 ):
     """megatron ``TransformerConfig`` for our model and layout (FP8 fields only on the TE path)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from nemo_fp8rl.models.parallel import resolve_device
+
     validate_model_config(model_cfg)
-    on_gpu = torch.cuda.is_available()
+    on_gpu = resolve_device(device).type == "cuda"
     params_dtype = _DTYPES[model_cfg.params_dtype]
     if not on_gpu and params_dtype != torch.float32:
         raise ValueError(f"model.params_dtype={model_cfg.params_dtype} on CPU: the CPU path runs float32 "
@@ -168,8 +175,10 @@ def build_gpt_model(
     *,
     fp8_recipe=None,
     use_te: Optional[bool] = None,
+    device: "torch.device | str | None" = None,
 ):
-    """Build this rank's stage of the GPT (init_distributed must have run).
+    """Build this rank's stage of the GPT (init_distributed must have run) on ``device`` (None = CUDA
+    when available).
 
     Returns:
         ``(model, report)``: a megatron ``GPTModel`` on the current device (float parameters, not yet
@@ -180,12 +189,14 @@ def build_gpt_model(
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from nemo_fp8rl.fp8.megatron import apply_fp8_to_megatron_model
+    from nemo_fp8rl.models.parallel import resolve_device
     from nemo_fp8rl.models.spec import CpuRotaryEmbedding, local_fp8_layer_spec, te_layer_spec
 
-    use_te = resolve_use_te(use_te)
+    device = resolve_device(device)
+    use_te = resolve_use_te(use_te, device)
     if fp8_recipe is not None and use_te:
         fp8_recipe.to_megatron_kwargs()  # raises for recipes TE does not have (rowwise)
-    config = make_transformer_config(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te)
+    config = make_transformer_config(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te, device=device)
     spec = te_layer_spec(model_cfg.qk_layernorm) if use_te else local_fp8_layer_spec(model_cfg.qk_layernorm)
 
     tp = parallel_cfg.tensor_model_parallel_size
@@ -212,7 +223,7 @@ def build_gpt_model(
         rope_scaling_factor=model_cfg.rope_scaling_factor or 8.0,
         pg_collection=pg,
     )
-    if not torch.cuda.is_available():
+    if device.type == "cpu":
         model.rotary_pos_emb = CpuRotaryEmbedding(
             kv_channels=config.kv_channels,
             rotary_percent=1.0,

@@ -130,14 +130,27 @@ def validate_layout(parallel_cfg: ParallelConfig, world_size: int, model_cfg: Op
         )
 
 
-def default_backend(parallel_cfg: ParallelConfig) -> str:
-    """``parallel.backend`` if set, else ``nccl`` with CUDA and ``gloo`` without."""
+def resolve_device(device: "str | torch.device | None" = None) -> torch.device:
+    """``None`` -> ``cuda`` when available, else ``cpu``; ``"cpu"`` forces the CPU path on a GPU machine."""
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu' (or None)")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
+    return d
+
+
+def default_backend(parallel_cfg: ParallelConfig, device: "str | torch.device | None" = None) -> str:
+    """``parallel.backend`` if set, else ``nccl`` for a CUDA model and ``gloo`` for a CPU model."""
     if parallel_cfg.backend:
         return parallel_cfg.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if resolve_device(device).type == "cuda" else "gloo"
 
 
-def init_distributed(parallel_cfg: ParallelConfig, model_cfg: Optional[ModelConfig] = None) -> LaunchEnv:
+def init_distributed(parallel_cfg: ParallelConfig, model_cfg: Optional[ModelConfig] = None,
+                     device: "str | torch.device | None" = None) -> LaunchEnv:
     """Initialise torch.distributed (if needed) and Megatron's model-parallel groups. Idempotent.
 
     Calling it again with the same TP/PP is a no-op; with a different TP/PP it rebuilds Megatron's
@@ -150,7 +163,7 @@ def init_distributed(parallel_cfg: ParallelConfig, model_cfg: Optional[ModelConf
     from megatron.core import parallel_state
 
     env = read_launch_env()
-    backend = default_backend(parallel_cfg)
+    backend = default_backend(parallel_cfg, device)
     if not dist.is_initialized():
         if backend == "nccl":
             if not torch.cuda.is_available():
@@ -204,6 +217,7 @@ __all__ = [
     "LaunchEnv",
     "read_launch_env",
     "validate_layout",
+    "resolve_device",
     "default_backend",
     "init_distributed",
     "destroy_distributed",

@@ -55,7 +55,7 @@ def run_actor(model_kw: dict, parallel_kw: dict, *, fp8: str | None = None, step
     mc = ModelConfig(**model_kw)
     pc = ParallelConfig(**parallel_kw)
     actor = build_actor(mc, pc, fp8_recipe=get_recipe(fp8) if fp8 else None, seed=seed, lr=lr,
-                        weight_decay=0.01, grad_clip=1.0)
+                        weight_decay=0.01, grad_clip=1.0, device="cpu")
     batch = make_batch(mc.vocab_size, seed=batch_seed)
     n = batch["tokens"].shape[0] // actor.dp_size
     part = {k: v[actor.dp_rank * n:(actor.dp_rank + 1) * n] for k, v in batch.items()}
@@ -95,7 +95,7 @@ def vocab_parallel_case() -> dict:
     from nemo_fp8rl.models import init_distributed
     from nemo_fp8rl.models.logprobs import vocab_parallel_logprobs
 
-    init_distributed(ParallelConfig(tensor_model_parallel_size=2))
+    init_distributed(ParallelConfig(tensor_model_parallel_size=2), device="cpu")
     from megatron.core import parallel_state as ps
 
     rank = ps.get_tensor_model_parallel_rank()

@@ -1,4 +1,5 @@
-"""FP8Actor in one process (TP = PP = 1, gloo world of size 1, real megatron-core on CPU)."""
+"""FP8Actor in one process (TP = PP = 1, gloo world of size 1, real megatron-core on CPU; device="cpu"
+keeps these CPU tests on the CPU path on GPU machines too)."""
 
 import io
 
@@ -19,7 +20,7 @@ def _actor(fp8=None, seed=0, lr=1e-3, mb=3, keep_reference=False, **model_kw):
     model_kw.setdefault("vocab_size", VOCAB)
     return build_actor(ModelConfig(**model_kw), ParallelConfig(micro_batch_size=mb),
                        fp8_recipe=get_recipe(fp8) if isinstance(fp8, str) else fp8, seed=seed, lr=lr,
-                       keep_reference=keep_reference)
+                       keep_reference=keep_reference, device="cpu")
 
 
 def _batch(B=6, T=14, seed=1):
@@ -193,9 +194,9 @@ def test_metrics_follow_the_reduction_convention():
 def test_grad_clip_bounds_the_update():
     batch = _batch()
     clipped = build_actor(ModelConfig(vocab_size=VOCAB), ParallelConfig(micro_batch_size=6), seed=0,
-                          lr=1e-3, grad_clip=1e-3)
+                          lr=1e-3, grad_clip=1e-3, device="cpu")
     free = build_actor(ModelConfig(vocab_size=VOCAB), ParallelConfig(micro_batch_size=6), seed=0,
-                       lr=1e-3, grad_clip=0.0)
+                       lr=1e-3, grad_clip=0.0, device="cpu")
     w0 = clipped.export_weights()
     mc, mf = clipped.train_step(batch, pg_loss), free.train_step(batch, pg_loss)
     assert mc["train/grad_norm"][0].item() == pytest.approx(mf["train/grad_norm"][0].item())

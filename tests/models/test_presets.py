@@ -74,6 +74,6 @@ def test_tiny_is_the_modelconfig_default_and_builds_in_seconds():
     cfg = ModelConfig(**data, vocab_size=16)
     assert dataclasses.replace(cfg, name="tiny") == ModelConfig(vocab_size=16)
     t0 = time.perf_counter()
-    actor = build_actor(cfg, ParallelConfig(), seed=0, lr=1e-4)
+    actor = build_actor(cfg, ParallelConfig(), seed=0, lr=1e-4, device="cpu")
     assert time.perf_counter() - t0 < 20.0
     assert actor.num_parameters() == count_parameters(cfg)
