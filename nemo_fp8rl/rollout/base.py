@@ -27,17 +27,19 @@ so ``rollout_logp`` lines up with the trainer's teacher-forced log-probs of the 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 __all__ = [
-    "SamplingParams",
     "RolloutBatch",
     "RolloutEngine",
-    "register_rollout_engine",
+    "SamplingParams",
     "get_rollout_engine",
+    "register_rollout_engine",
     "rollout_engine_names",
 ]
 
@@ -63,7 +65,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if not (isinstance(t, (int, float)) and t >= 0 and t == t and t != float("inf")):
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
             raise ValueError(
                 f"SamplingParams.temperature={t!r} is not valid; use a finite number > 0, or 0 for greedy "
                 "decoding (config key rollout.temperature)"

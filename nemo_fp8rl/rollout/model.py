@@ -36,27 +36,28 @@ scores/softmax and the LM head stay in high precision (DESIGN section 5).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "ModelShape",
-    "expected_hf_shapes",
-    "check_hf_state_dict",
-    "rms_norm",
-    "rope_inv_freq",
-    "rope_cos_sin",
-    "apply_rope",
-    "LayerWeights",
-    "RolloutWeights",
     "KVCache",
+    "LayerWeights",
+    "ModelShape",
+    "RolloutWeights",
+    "apply_rope",
     "build_weights",
+    "check_hf_state_dict",
+    "expected_hf_shapes",
+    "forward_decode",
     "forward_full",
     "forward_prefill",
-    "forward_decode",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_inv_freq",
 ]
 
 
@@ -70,10 +71,10 @@ class ModelShape:
     num_groups: int
     head_dim: int
     ffn_hidden_size: int
-    vocab_size: Optional[int]
+    vocab_size: int | None
     norm_epsilon: float
     rotary_base: float
-    rope_scaling_factor: Optional[float]
+    rope_scaling_factor: float | None
     qk_layernorm: bool
     qkv_bias: bool
     linear_bias: bool
@@ -81,7 +82,7 @@ class ModelShape:
     seq_length: int
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "ModelShape":
+    def from_config(cls, cfg: Any) -> ModelShape:
         """Resolve ``cfg`` (a :class:`nemo_fp8rl.config.model.ModelConfig` or anything with its fields).
 
         Raises ``ValueError`` for shapes or options this engine does not implement, naming the key.
@@ -269,15 +270,15 @@ class LayerWeights:
     input_norm: torch.Tensor  # [d]
     post_norm: torch.Tensor  # [d]
     w_qkv: torch.Tensor  # [(H + 2G) * hd, d]
-    b_qkv: Optional[torch.Tensor]  # [(H + 2G) * hd]
+    b_qkv: torch.Tensor | None  # [(H + 2G) * hd]
     w_o: torch.Tensor  # [d, H * hd]
-    b_o: Optional[torch.Tensor]
+    b_o: torch.Tensor | None
     w_gate_up: torch.Tensor  # [2f, d]
-    b_gate_up: Optional[torch.Tensor]
+    b_gate_up: torch.Tensor | None
     w_down: torch.Tensor  # [d, f]
-    b_down: Optional[torch.Tensor]
-    q_norm: Optional[torch.Tensor]  # [hd]
-    k_norm: Optional[torch.Tensor]  # [hd]
+    b_down: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [hd]
+    k_norm: torch.Tensor | None  # [hd]
 
 
 @dataclass
@@ -378,7 +379,7 @@ class KVCache:
     v: list[torch.Tensor]
 
     @classmethod
-    def empty(cls, shape: ModelShape, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> "KVCache":
+    def empty(cls, shape: ModelShape, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> KVCache:
         dims = (batch, shape.num_groups, max_len, shape.head_dim)
         return cls(
             k=[torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.num_layers)],
@@ -391,7 +392,7 @@ class KVCache:
         self.v = [v.index_select(0, rows) for v in self.v]
 
 
-def _linear(scheme: Any, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+def _linear(scheme: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """FP8 (emulated) linear: ``quantize_activation(x) @ W_q^T + b``; x [..., K], W_q [N, K] -> [..., N]."""
     return F.linear(scheme.quantize_activation(x).to(w.dtype), w, b)
 
@@ -410,7 +411,7 @@ def _qkv(shape: ModelShape, lw: LayerWeights, scheme: Any, x: torch.Tensor, cos:
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _attend(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]):
+def _attend(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
     """softmax(q k^T / sqrt(hd) + mask) v with grouped KV heads; causal when ``mask`` is None.
 
     Shapes: q [B, H, Tq, hd]; k, v [B, G, S, hd]; mask bool [B, 1, Tq, S] (True = attend) -> [B, Tq, H*hd].

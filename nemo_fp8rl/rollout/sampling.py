@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["top_p_filter", "sample_next"]
+__all__ = ["sample_next", "top_p_filter"]
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

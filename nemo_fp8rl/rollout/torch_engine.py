@@ -19,7 +19,8 @@ instead of O(B S^2) + O(B S) without a cache (S = current length). :meth:`forwar
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ class TorchRolloutEngine:
         train_recipe: Any = None,
         eos_id: int,
         pad_id: int,
-        device: "str | torch.device" = "cpu",
+        device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.shape = ModelShape.from_config(model_cfg)
@@ -87,7 +88,7 @@ class TorchRolloutEngine:
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
         self.device = torch.device(device)
         self.dtype = dtype
-        self.weights: Optional[RolloutWeights] = None
+        self.weights: RolloutWeights | None = None
         self.weights_version = 0
         """Number of weight syncs received so far."""
 

@@ -31,7 +31,12 @@ _EXPORTS = {
     "RewardResult": "reward_runner",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # noqa: RUF022 - same order as _EXPORTS
+    "Task", "Tokenizer", "CharTokenizer", "Prompt", "Scores", "get_task", "register_task", "task_names",
+    "task_class", "pad_examples", "ArithmeticTask", "MathJsonlTask", "JsonlDataError", "RewardRunner",
+    "RewardResult",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

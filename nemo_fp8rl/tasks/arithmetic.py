@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ class ArithmeticTask(Task):
         self.digits = digits
         self.format_reward = float(format_reward)
         self.tokenizer = CharTokenizer("0123456789+= ")
-        self._answer_re = re.compile(r"\d{%d}" % (digits + 1))
+        self._answer_re = re.compile(rf"\d{{{digits + 1}}}")
 
     @property
     def response_len(self) -> int:
@@ -79,7 +80,7 @@ class ArithmeticTask(Task):
             meta={"a": a, "b": b},
         )
 
-    def prompts(self, n: int, generator: Optional[torch.Generator] = None) -> list[Prompt]:
+    def prompts(self, n: int, generator: torch.Generator | None = None) -> list[Prompt]:
         out = [self._prompt(a, b) for a, b in self._operands(n, self._gen(generator))]
         if generator is None:
             self.prompts_served += n
@@ -94,7 +95,7 @@ class ArithmeticTask(Task):
         """Well-formed = exactly ``digits + 1`` decimal digits (the response up to EOS)."""
         return self._answer_re.fullmatch(text) is not None
 
-    def warmup_examples(self, n: int, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def warmup_examples(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` solved problems: tokens [n, 3 * digits + 5], loss_mask 1 on the answer digits and EOS."""
         g = self._gen(generator, warmup=True)
         seqs, plens = [], []

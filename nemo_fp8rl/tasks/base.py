@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,16 +25,16 @@ from nemo_fp8rl.algorithms.metrics import Metric, make_metric
 from nemo_fp8rl.tasks.reward_runner import RewardRunner
 
 __all__ = [
-    "Tokenizer",
     "CharTokenizer",
     "Prompt",
     "Scores",
     "Task",
-    "register_task",
+    "Tokenizer",
     "get_task",
-    "task_names",
-    "task_class",
     "pad_examples",
+    "register_task",
+    "task_class",
+    "task_names",
 ]
 
 
@@ -171,7 +172,7 @@ class Task(ABC):
         """RNG of ``warmup_examples`` when it gets no generator (separate, so warm-up leaves the prompt
         stream untouched; saved in ``state_dict``)."""
         self.reward_timeout_s = float(reward_timeout_s)
-        self._runner: Optional[RewardRunner] = None
+        self._runner: RewardRunner | None = None
         self.prompts_served = 0
 
     # ---------------------------------------------------------------- to implement
@@ -181,7 +182,7 @@ class Task(ABC):
         """Picklable ``f(response_text, answer) -> reward | (reward, correct)`` run in the reward worker."""
 
     @abstractmethod
-    def prompts(self, n: int, generator: Optional[torch.Generator] = None) -> list[Prompt]:
+    def prompts(self, n: int, generator: torch.Generator | None = None) -> list[Prompt]:
         """The next ``n`` prompts (from ``generator``, else from the task's own stream, which advances)."""
 
     @abstractmethod
@@ -189,11 +190,11 @@ class Task(ABC):
         """Whether a response (decoded, up to its EOS) is well-formed; feeds ``rollout/invalid_frac``."""
 
     @abstractmethod
-    def warmup_examples(self, n: int, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def warmup_examples(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` supervised examples: ``(tokens [n, T] long, loss_mask [n, T] float)`` (see :func:`pad_examples`)."""
 
     # ---------------------------------------------------------------- shared
-    def _gen(self, generator: Optional[torch.Generator], warmup: bool = False) -> torch.Generator:
+    def _gen(self, generator: torch.Generator | None, warmup: bool = False) -> torch.Generator:
         if generator is not None:
             return generator
         return self.warmup_generator if warmup else self.generator
@@ -264,7 +265,7 @@ def register_task(name: str) -> Callable[[type], type]:
 
 
 def _load_builtin_tasks() -> None:
-    import nemo_fp8rl.tasks.arithmetic  # noqa: F401
+    import nemo_fp8rl.tasks.arithmetic
     import nemo_fp8rl.tasks.math_jsonl  # noqa: F401
 
 

@@ -20,14 +20,15 @@ import json
 import logging
 import os
 from collections import Counter
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from nemo_fp8rl.tasks.base import CharTokenizer, Prompt, Task, pad_examples, register_task
 from nemo_fp8rl.tasks.rewards import has_boxed_answer, math_verify_reward
 
-__all__ = ["MathJsonlTask", "JsonlDataError"]
+__all__ = ["JsonlDataError", "MathJsonlTask"]
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class MathJsonlTask(Task):
         n = len(self.rows)
         return torch.randperm(n, generator=self.generator).tolist() if self.shuffle else list(range(n))
 
-    def prompts(self, n: int, generator: Optional[torch.Generator] = None) -> list[Prompt]:
+    def prompts(self, n: int, generator: torch.Generator | None = None) -> list[Prompt]:
         """Next ``n`` rows of the (per-epoch shuffled) stream; with ``generator``: ``n`` rows drawn uniformly
         with replacement from it, leaving the stream untouched."""
         if generator is not None:
@@ -204,7 +205,7 @@ class MathJsonlTask(Task):
         """Well-formed = holds a non-empty ``\\boxed{...}`` and all braces are balanced."""
         return has_boxed_answer(text)
 
-    def warmup_examples(self, n: int, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def warmup_examples(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` rows (uniform, with replacement) as ``prompt -> \\boxed{answer} <eos>`` (teaches the format)."""
         g = self._gen(generator, warmup=True)
         idx = torch.randint(0, len(self.rows), (n,), generator=g).tolist()

@@ -26,9 +26,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 __all__ = ["RewardResult", "RewardRunner"]
 
@@ -41,7 +42,7 @@ class RewardResult:
 
     reward: float
     correct: bool
-    error: Optional[str] = None
+    error: str | None = None
 
 
 def _coerce(value: Any) -> tuple[float, bool]:
@@ -96,7 +97,7 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
 
     threading.Thread(target=watchdog, daemon=True).start()
     rx, tx = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    fn: Optional[Callable[..., Any]] = None
+    fn: Callable[..., Any] | None = None
     tx.send(("ready", -1, None))
     while True:
         try:
@@ -136,10 +137,10 @@ class RewardRunner:
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"reward timeout {timeout_s!r} must be a positive number of seconds (task.reward_timeout_s)")
         self.timeout_s = float(timeout_s)
-        self._proc: Optional[subprocess.Popen] = None
-        self._tx: Optional[Connection] = None
-        self._rx: Optional[Connection] = None
-        self._fn_bytes: Optional[bytes] = None
+        self._proc: subprocess.Popen | None = None
+        self._tx: Connection | None = None
+        self._rx: Connection | None = None
+        self._fn_bytes: bytes | None = None
         self._extra_paths: list[str] = []
         self.restarts = 0
         """Workers started after the first (each timeout or crash costs one)."""
@@ -195,10 +196,10 @@ class RewardRunner:
         """Stop the worker process (idempotent)."""
         self._kill()
 
-    def __enter__(self) -> "RewardRunner":
+    def __enter__(self) -> RewardRunner:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:  # best effort; explicit close() is preferred
@@ -208,7 +209,7 @@ class RewardRunner:
             pass
 
     @property
-    def worker_pid(self) -> Optional[int]:
+    def worker_pid(self) -> int | None:
         """Process id of the current worker (None when none runs)."""
         return None if self._proc is None else self._proc.pid
 
@@ -247,7 +248,7 @@ class RewardRunner:
             raise TypeError(
                 f"reward function {fn!r} is not picklable ({e}); use a module-level function or a functools.partial of one"
             ) from e
-        results: list[Optional[RewardResult]] = [None] * len(items)
+        results: list[RewardResult | None] = [None] * len(items)
         start = 0
         while start < len(items):
             self._load(fn, fn_bytes)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["exact_match_reward", "math_verify_reward", "has_boxed_answer", "balanced_braces", "gold_for_math_verify"]
+__all__ = ["balanced_braces", "exact_match_reward", "gold_for_math_verify", "has_boxed_answer", "math_verify_reward"]
 
 
 def exact_match_reward(response: str, answer: str, *, format_pattern: str, format_reward: float = 0.0) -> tuple[float, bool]:

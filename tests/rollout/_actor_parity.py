@@ -17,12 +17,12 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from conftest import random_hf_weights  # noqa: E402  (this folder's helper, loaded by path)
+from conftest import random_hf_weights
 
-from nemo_fp8rl.config.model import ModelConfig, ParallelConfig  # noqa: E402
-from nemo_fp8rl.fp8 import get_recipe  # noqa: E402
-from nemo_fp8rl.models import build_actor  # noqa: E402
-from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine  # noqa: E402
+from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
+from nemo_fp8rl.fp8 import get_recipe
+from nemo_fp8rl.models import build_actor
+from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
 
 EOS, PAD = 2, 0
 CFG = dict(vocab_size=16, num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,

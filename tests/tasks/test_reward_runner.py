@@ -51,9 +51,8 @@ def test_timeout_is_per_call():
 
 
 def test_unpicklable_function_is_a_programming_error():
-    with RewardRunner(timeout_s=1.0) as runner:
-        with pytest.raises(TypeError, match="not picklable"):
-            runner.run(lambda r, a: 1.0, [("a", "b")])
+    with RewardRunner(timeout_s=1.0) as runner, pytest.raises(TypeError, match="not picklable"):
+        runner.run(lambda r, a: 1.0, [("a", "b")])
     with pytest.raises(ValueError, match="reward_timeout_s"):
         RewardRunner(timeout_s=0)
 
