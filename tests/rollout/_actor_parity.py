@@ -25,9 +25,11 @@ from nemo_fp8rl.models import build_actor
 from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
 
 EOS, PAD = 2, 0
-CFG = dict(vocab_size=16, num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+# vocab 21 is padded to 24 rows inside Megatron: the trainer's log-softmax must ignore the padding, as
+# the engine (which receives the 21 real rows) does.
+CFG = dict(vocab_size=21, make_vocab_size_divisible_by=8, num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
            ffn_hidden_size=128, seq_length=32, add_qkv_bias=True)
-PROMPTS = [[1, 3, 4, 5, 6], [1, 7], [1, 8, 9, 10, 11, 12, 13, 14], [1, 15, 3]] * 4
+PROMPTS = [[1, 3, 4, 5, 6], [1, 7], [1, 8, 9, 10, 11, 12, 13, 14], [1, 15, 3, 20]] * 4
 
 
 def main(out_path: str) -> None:
