@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from functools import partial
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
@@ -152,14 +151,27 @@ class FP8Actor:
         """Run megatron's forward(-backward) schedule; ``on_output(mb, output)`` is its loss function."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        # Sequence parallelism splits the sequence over TP ranks: right-pad it to a multiple of TP
+        # (harmless under causal attention) and cut the logits back before any loss sees them.
+        pad_to = self.tp_size if self.parallel_cfg.sequence_parallel else 1
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             tokens = mb["tokens"]
+            T = tokens.shape[1]
+            extra = (-T) % pad_to
+            if extra:
+                tokens = torch.nn.functional.pad(tokens, (0, extra))
             pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
             out = model(tokens, pos, None)
-            return out, partial(on_output, mb)
+
+            def loss_func(output):
+                return on_output(mb, output[:, :T] if extra else output)
+
+            return out, loss_func
 
         seq = max(mb["tokens"].shape[1] for mb in microbatches)
+        seq += (-seq) % pad_to
         with cpu_pipeline_schedules(enabled=self.device.type == "cpu"):
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -406,6 +418,24 @@ class FP8Actor:
         metrics["train/global_tokens"] = make_metric(global_tokens, "max")
         metrics["train/global_seqs"] = make_metric(global_seqs, "max")
         return metrics
+
+    def fp8_metrics(self, reset: bool = True) -> dict[str, Metric]:
+        """FP8 health counters of the emulated linears since the last reset, summed over all ranks:
+        ``fp8/saturated`` (values clamped to the format's max), ``fp8/quantized``,
+        ``fp8/nonfinite_amax`` and ``fp8/saturation_frac`` = saturated / quantized. Collective over the
+        world (every rank must call it). Empty counters on the TE path (TE does not expose them)."""
+        from nemo_fp8rl.fp8 import collect_fp8_stats
+
+        st = collect_fp8_stats(self.model, reset=reset)
+        v = torch.stack([st["fp8/saturated"], st["fp8/quantized"], st["fp8/nonfinite_amax"]]).double().to(self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(v)
+        return {
+            "fp8/saturated": make_metric(v[0], "max"),
+            "fp8/quantized": make_metric(v[1], "max"),
+            "fp8/nonfinite_amax": make_metric(v[2], "max"),
+            "fp8/saturation_frac": make_metric(v[0] / v[1].clamp(min=1), "max"),
+        }
 
     # ------------------------------------------------------------------ weights
     def export_weights(self) -> dict[str, torch.Tensor]:

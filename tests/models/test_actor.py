@@ -271,3 +271,15 @@ def test_num_parameters_counts_the_unpadded_model():
     assert actor.num_parameters() == sum(t.numel() for t in actor.export_weights().values())
     tied = _actor(untie_embeddings_and_output_weights=False)
     assert tied.num_parameters() == actor.num_parameters() - VOCAB * 128
+
+
+def test_fp8_health_metrics():
+    actor = _actor(fp8="tensorwise")
+    assert actor.fp8_metrics()["fp8/quantized"][0].item() == 0  # nothing quantized yet
+    actor.train_step(_batch(), pg_loss)
+    m = actor.fp8_metrics()
+    assert m["fp8/quantized"][0].item() > 0
+    assert 0 <= m["fp8/saturation_frac"][0].item() < 1e-3  # current scaling: amax maps to 448, no clamping
+    assert m["fp8/nonfinite_amax"][0].item() == 0
+    assert actor.fp8_metrics()["fp8/quantized"][0].item() == 0  # reset by the previous call
+    assert _actor().fp8_metrics()["fp8/quantized"][0].item() == 0  # FP8 off: nothing counted
