@@ -20,6 +20,7 @@ instead of O(B S^2) + O(B S) without a cache (S = current length). :meth:`forwar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import logging
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from nemo_fp8rl.rollout.model import (
 from nemo_fp8rl.rollout.sampling import sample_next
 
 __all__ = ["TorchRolloutEngine", "resolve_rollout_scheme"]
+
+log = logging.getLogger(__name__)
 
 
 def resolve_rollout_scheme(fp8_scheme: Any, train_recipe: Any = None) -> Any:
@@ -101,6 +104,12 @@ class TorchRolloutEngine:
         """
         self.weights = build_weights(self.shape, hf_state_dict, self.scheme, self.device, self.dtype)
         self.weights_version += 1
+        if self.weights_version == 1:
+            log.info(
+                "rollout engine 'torch': FP8 scheme %s quantizes %d linear weights per sync (fused qkv and "
+                "gate_up per layer); embeddings, norms and the LM head stay %s",
+                self.scheme_name, len(self.weights.linear_stats), self.dtype,
+            )
         return self.weights.linear_stats
 
     @property
