@@ -156,6 +156,8 @@ def make_transformer_config(
         variable_seq_lengths=True,
         # Dense model; megatron rejects variable_seq_lengths with its default MoE dispatcher name anyway.
         moe_token_dispatcher_type="alltoall",
+        # = megatron's default "full" (whole layer), without its deprecation warning; no CUDA graphs are used.
+        cuda_graph_scope=[],
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
