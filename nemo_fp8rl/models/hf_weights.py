@@ -166,7 +166,7 @@ def init_hf_state_dict(
 
 
 def _get(module: torch.nn.Module, *paths: str) -> Optional[torch.Tensor]:
-    """First existing (non-None) parameter among dotted ``paths`` relative to ``module``."""
+    """First existing, non-empty tensor among dotted ``paths`` relative to ``module``."""
     for path in paths:
         obj = module
         ok = True
@@ -175,7 +175,8 @@ def _get(module: torch.nn.Module, *paths: str) -> Optional[torch.Tensor]:
             if obj is None:
                 ok = False
                 break
-        if ok and isinstance(obj, torch.Tensor):
+        # Transformer Engine keeps an empty tensor (not None) as the bias of a bias-free layer.
+        if ok and isinstance(obj, torch.Tensor) and obj.numel() > 0:
             return obj
     return None
 
