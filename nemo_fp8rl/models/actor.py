@@ -327,8 +327,10 @@ class FP8Actor:
                 dist.all_reduce(w.grad, group=self._ps.get_embedding_group())
 
     def _grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradient over the model-parallel group, each parameter counted once
-        (TP-replicated parameters on TP rank 0 only, the tied head copy of the last stage skipped)."""
+        """Global gradient norm ``sqrt(sum_p sum_i g_{p,i}^2)`` over every parameter p of the model,
+        each counted once: sharded parameters on every TP rank, TP-replicated ones on TP rank 0 only,
+        the tied head copy of the last stage skipped; sum-of-squares all-reduced over TP x PP (float64).
+        Returns a float32 0-dim tensor (identical on all ranks; DP ranks hold synced grads)."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
