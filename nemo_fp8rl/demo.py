@@ -1,55 +1,83 @@
-"""``make demo``: the CPU default job.
+"""``make demo``: BF16 vs naive FP8 vs calibrated FP8, side by side, on a CPU in minutes.
 
-Until the RL trainer lands this runs the FP8 numerics demo: for every training recipe, the relative
-error that FP8 emulation puts on a linear layer's three GEMMs (forward, dgrad, wgrad), on Gaussian
-activations and on activations with outlier channels (where granularity matters).
+Three runs of the real CLI (``python -m nemo_fp8rl.train``) with the same seed and configuration,
+differing only in precision and clipping:
+
+* ``bf16``: FP8 off in training and rollout (high precision end to end);
+* ``fp8``: FP8 training + FP8 rollout, fixed clip bounds. It still runs the BF16 shadow forward at
+  calibration steps with ``calibration.apply=false``, so it logs how it *would* have been calibrated
+  (``calib/alpha_fp8_nominal`` vs ``calib/alpha_bf16`` on the same tokens);
+* ``fp8_calibrated``: the same + Calibrated Clipping (``calibration=paper``).
+
+The configuration makes the mechanism visible at tiny scale (NOTES-prototype): old log-probs come
+from the FP8 rollout engine (``algorithm.old_logprobs=rollout``), so the importance ratio carries the
+rollout-vs-trainer FP8 mismatch, which is what pushes negative-advantage tokens below 1 - eps_low.
+All arms start from the same cached supervised warm-up. Then ``nemo-fp8rl-report`` writes
+``runs/demo/report/report.png`` and ``summary.md``.
+
+    python -m nemo_fp8rl.demo [--steps N] [--out runs/demo] [--recipe tensorwise] [extra overrides...]
 """
 
 from __future__ import annotations
 
-import torch
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-from nemo_fp8rl.fp8 import Fp8LinearState, fp8_linear, get_recipe, list_recipes
+ARMS = {
+    "bf16": ["fp8=off", "calibration=off"],
+    "fp8": ["fp8={recipe}", "calibration=measure"],
+    "fp8_calibrated": ["fp8={recipe}", "calibration=paper"],
+}
 
-
-def linear_error_table(tokens: int = 1024, k: int = 512, n: int = 512, seed: int = 0) -> list[dict]:
-    """Relative Frobenius error of y, dx and dW under each recipe vs float32, for two input kinds."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) / k**0.5
-    gy = torch.randn(tokens, n, generator=g)
-    gauss = torch.randn(tokens, k, generator=g)
-    outlier = gauss.clone()
-    outlier[:, :4] *= 50.0  # a few loud channels, as in LLM activations
-    rows = []
-    for kind, x0 in (("gaussian", gauss), ("outlier channels", outlier)):
-        x_ref = x0.clone().requires_grad_()
-        w_ref = w.clone().requires_grad_()
-        torch.nn.functional.linear(x_ref, w_ref).backward(gy)
-        y_ref = x0 @ w.t()
-        for name in list_recipes():
-            r = get_recipe(name)
-            x = x0.clone().requires_grad_()
-            ww = w.clone().requires_grad_()
-            st = Fp8LinearState(r)
-            for _ in range(2 if name == "delayed" else 1):  # delayed: second step uses history scales
-                x.grad = ww.grad = None
-                y = fp8_linear(x, ww, None, r, st)
-                y.backward(gy)
-
-            def rel(a, b):
-                return ((a - b).norm() / b.norm()).item()
-
-            rows.append({"input": kind, "recipe": name, "y": rel(y.detach(), y_ref),
-                         "dgrad": rel(x.grad, x_ref.grad), "wgrad": rel(ww.grad, w_ref.grad)})
-    return rows
+# Shared by all arms: what makes the FP8 ratio noise visible on the tiny task (see module docstring).
+COMMON = ["algorithm=grpo", "algorithm.old_logprobs=rollout", "logger.progress=lines"]
 
 
-def main() -> None:
-    rows = linear_error_table()
-    print("FP8 emulation: relative error of a 1024x512 @ 512x512 linear vs float32")
-    print(f"{'input':<18}{'recipe':<12}{'forward':>10}{'dgrad':>10}{'wgrad':>10}")
-    for r in rows:
-        print(f"{r['input']:<18}{r['recipe']:<12}{r['y']:>10.4f}{r['dgrad']:>10.4f}{r['wgrad']:>10.4f}")
+def arm_command(arm: str, out: Path, steps: int, recipe: str, seed: int, extra: list[str]) -> list[str]:
+    overrides = [o.format(recipe=recipe) for o in ARMS[arm]] + COMMON + [
+        f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={steps}", f"seed={seed}",
+        f"output_dir={out / arm}", f"warmup.cache_dir={out / '.warmup_cache'}",
+    ] + list(extra)
+    return [sys.executable, "-m", "nemo_fp8rl.train", *overrides]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m nemo_fp8rl.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/demo", help="parent directory of the three runs")
+    ap.add_argument("--steps", type=int, default=150, help="RL steps per arm")
+    ap.add_argument("--recipe", default="tensorwise", help="FP8 recipe of the two FP8 arms")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides applied to every arm")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"unknown arm(s) {unknown}; valid: {list(ARMS)}")
+    for a in arms:
+        if (out / a / "checkpoints").exists():
+            ap.error(f"{out / a} already holds a run; remove it (or pass --out elsewhere) to rerun the demo")
+    timings = {}
+    for a in arms:
+        cmd = arm_command(a, out, args.steps, args.recipe, args.seed, args.overrides)
+        print(f"\n=== {a}: {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
+        t0 = time.time()
+        rc = subprocess.call(cmd)
+        timings[a] = time.time() - t0
+        if rc != 0:
+            sys.exit(f"arm {a} failed with exit code {rc}")
+    from nemo_fp8rl.report import make_report
+
+    rep = make_report([str(out / a) for a in arms], str(out / "report"))
+    print("\n" + (rep / "summary.md").read_text())
+    print("wall time per arm (s): " + ", ".join(f"{a} {t:.0f}" for a, t in timings.items()))
+    print(f"figure: {rep / 'report.png'}")
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ class AlgorithmConfig:
     """TIS truncation C (paper: 2)."""
     icepop_low: float = 0.5
     """IcePop: mask tokens whose rollout IS ratio is below this."""
-    icepop_high: float = 2.0
+    icepop_high: float = 5.0
     """IcePop: mask tokens whose rollout IS ratio is above this."""
     old_logprobs: str = "recompute"
     """recompute (trainer FP8 forward before the update) | rollout (the rollout engine's log-probs)."""
@@ -191,6 +191,10 @@ class TaskConfig:
     """math_jsonl: malformed rows -> raise (error with file:line) | skip (count and skip)."""
     max_prompt_len: int = 256
     """math_jsonl: longest prompt in tokens."""
+    prompt_template: str = "{prompt}"
+    """math_jsonl: how a row's prompt is shown to the model ({prompt} is replaced)."""
+    shuffle: bool = True
+    """math_jsonl: reshuffle the rows every epoch (seeded; the position is saved in checkpoints)."""
     reward_timeout_s: float = 5.0
     """A reward call slower than this scores 0 and counts in reward/errors."""
 

@@ -55,12 +55,12 @@ from nemo_fp8rl.trainer.logger import MetricsLogger
 logger = logging.getLogger(__name__)
 
 
-def task_kwargs(cfg: TrainConfig, factory) -> dict:
-    """The TaskConfig fields the task's constructor accepts (plus the run seed)."""
+def task_kwargs(cfg: TrainConfig, factory, seed: int) -> dict:
+    """The TaskConfig fields the task's constructor accepts, plus its prompt-stream seed."""
     params = inspect.signature(factory).parameters
     kw = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "name" and k in params}
     if "seed" in params:
-        kw["seed"] = cfg.seed
+        kw["seed"] = seed
     return kw
 
 
@@ -84,15 +84,21 @@ class RLTrainer:
     """Owns the task, actor, rollout engine, calibration controller, logger and checkpoints of one run."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from nemo_fp8rl.models import build_actor
+        from megatron.core import parallel_state as ps
+
+        from nemo_fp8rl.models import build_actor, init_distributed
         from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
-        from nemo_fp8rl.tasks import get_task
+        from nemo_fp8rl.tasks import get_task, task_class
 
         self.cfg = validate(cfg)
         a = cfg.algorithm
         self.out = Path(cfg.output_dir)
         _check_writable(self.out)
-        self.task = get_task(cfg.task.name, **task_kwargs(cfg, _task_factory(cfg.task.name)))
+        # Each data-parallel rank draws its own prompt stream (the task's own RNG, saved in checkpoints).
+        init_distributed(cfg.parallel, cfg.model)
+        dp_rank = ps.get_data_parallel_rank()
+        self.task = get_task(cfg.task.name,
+                             **task_kwargs(cfg, task_class(cfg.task.name), seed=cfg.seed * 1000 + 29 + dp_rank))
         tok = self.task.tokenizer
         self.model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tok.vocab_size)
         if self.model_cfg.vocab_size < tok.vocab_size:
@@ -138,7 +144,6 @@ class RLTrainer:
         # Every random draw of the loop comes from these generators (saved in checkpoints): resume is exact.
         dp = self.actor.dp_rank
         self.rollout_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + dp)
-        self.prompt_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 29 + dp)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 43 + dp)
         self.ckpt = CheckpointManager(cfg.output_dir, keep_last=cfg.trainer.keep_last)
         self.step_idx = 0
@@ -175,7 +180,7 @@ class RLTrainer:
     def _generate(self, n_prompts: int):
         """Sample ``group_size`` responses for ``n_prompts`` new prompts; rewards and advantages."""
         a = self.cfg.algorithm
-        prompts = self.task.prompts(n_prompts, self.prompt_gen)
+        prompts = self.task.prompts(n_prompts)
         expanded = [p for p in prompts for _ in range(a.group_size)]
         batch = self.engine.generate([p.ids for p in expanded], self.sampling, self.rollout_gen)
         texts = [self.task.response_text(r) for r in batch.responses()]
@@ -250,7 +255,7 @@ class RLTrainer:
             with _timed(timings, "shadow"):
                 hp_old = self.actor.get_shadow_logprobs(tokens, temperature=T)[0] * mask
         rc_kw = {"cap": a.tis_cap} if a.rollout_correction == "tis" else (
-            {"low": a.icepop_low, "high": a.icepop_high} if a.rollout_correction == "icepop" else {})
+            {"lo": a.icepop_low, "hi": a.icepop_high} if a.rollout_correction == "icepop" else {})
         weights, rc_metrics = rollout_correction(old_logp, batch.rollout_logp.float() * mask, mask,
                                                  mode=a.rollout_correction, **rc_kw)
 
@@ -288,9 +293,6 @@ class RLTrainer:
         calib_metrics = {}
         if calibrating:
             calib_metrics = self.calibrator.update(step, group=self.actor.dp_group)
-            if hp_old is not None:
-                d = ((old_logp - hp_old).abs() * mask).sum() / mask.sum().clamp(min=1)
-                calib_metrics["mismatch/fp8_bf16_logp_abs_diff_mean"] = make_metric(d, "mean")
 
         # 7: metrics
         # "sum" metrics are sums over the microbatches of one minibatch (shares of the minibatch
@@ -312,7 +314,7 @@ class RLTrainer:
         local.update(ds_metrics)
         local.update(rc_metrics)
         if a.old_logprobs == "recompute":
-            local.update(mismatch_metrics(batch.rollout_logp.float() * mask, old_logp, mask))
+            local.update(mismatch_metrics(old_logp, batch.rollout_logp.float() * mask, mask, hp_old_logp=hp_old))
         fp8_stats = collect_fp8_stats(self.actor.model)
         if self.recipe is not None:
             local["fp8/saturation_frac"] = make_metric(fp8_stats["fp8/saturation_frac"].float(), "mean")
@@ -357,8 +359,8 @@ class RLTrainer:
                 (entropy.detach() * mask).sum() / global_tokens.clamp(min=1), "sum")
             if first_minibatch and a.old_logprobs == "rollout":
                 # on-policy weights: this forward is the trainer's log-prob of the rollout's tokens
-                for k, v in mismatch_metrics(mb["rollout_logp"], logp.detach(), mask).items():
-                    metrics[k] = v
+                metrics.update(mismatch_metrics(logp.detach(), mb["rollout_logp"], mask,
+                                                hp_old_logp=mb.get("hp_old_logp")))
             if calibrating:
                 ratio = torch.exp((logp.detach() - mb["old_logp"]) * mask)
                 self.calibrator.observe(ratio, mb["ref_ratio"], mb["advantages"], mask, step=step)
@@ -374,8 +376,8 @@ class RLTrainer:
             "task": self.task.state_dict(),
             "calibrator": self.calibrator.state_dict() if self.calibrator is not None else None,
             "monitor": self.monitor.state_dict(),
-            "rng": {"rollout": self.rollout_gen.get_state(), "prompt": self.prompt_gen.get_state(),
-                    "shuffle": self.shuffle_gen.get_state(), "torch": torch.get_rng_state()},
+            "rng": {"rollout": self.rollout_gen.get_state(), "shuffle": self.shuffle_gen.get_state(),
+                    "torch": torch.get_rng_state()},
             "counters": {"consecutive_skips": self.consecutive_skips, "skipped_total": self.skipped_total},
         }
 
@@ -387,7 +389,6 @@ class RLTrainer:
             self.calibrator.load_state_dict(st["calibrator"])
         self.monitor.load_state_dict(st["monitor"])
         self.rollout_gen.set_state(st["rng"]["rollout"])
-        self.prompt_gen.set_state(st["rng"]["prompt"])
         self.shuffle_gen.set_state(st["rng"]["shuffle"])
         torch.set_rng_state(st["rng"]["torch"])
         self.consecutive_skips = st["counters"]["consecutive_skips"]
@@ -447,15 +448,6 @@ def _should_stop(sig: Optional[int]) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
-
-
-def _task_factory(name: str):
-    from nemo_fp8rl.tasks import base as tb
-
-    tb._load_builtin_tasks()
-    if name not in tb._TASKS:
-        raise ValueError(f"task.name={name!r} is unknown; valid tasks: {sorted(tb._TASKS)}")
-    return tb._TASKS[name]
 
 
 def _merge_groups(parts, chosen, group_size: int, pad_id: int):

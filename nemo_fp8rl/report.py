@@ -1,0 +1,149 @@
+"""``nemo-fp8rl-report RUN_DIR... [--out DIR]``: figures and a table comparing runs.
+
+Reads each run's ``metrics.jsonl`` and writes to ``--out`` (default ``<first run's parent>/report``):
+
+* ``report.png``: entropy, reward/accuracy, clip fractions by advantage sign, clip bounds in force,
+  ``calib/alpha_fp8_nominal`` vs ``calib/alpha_bf16`` and the false-clip rate, rollout/trainer mismatch;
+* ``summary.md``: final metrics (mean of the last ``--last`` steps) per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from nemo_fp8rl.trainer.logger import read_metrics
+
+SUMMARY_KEYS = [
+    ("reward/mean", "reward"),
+    ("reward/accuracy", "accuracy"),
+    ("policy/entropy", "entropy"),
+    ("clip/low_frac", "clip low (A<0)"),
+    ("clip/high_frac", "clip high (A>0)"),
+    ("clip/lower", "lower bound"),
+    ("clip/upper", "upper bound"),
+    ("calib/alpha_bf16", "alpha bf16"),
+    ("calib/alpha_fp8_nominal", "alpha fp8 nominal"),
+    ("calib/false_clip_rate", "false clip rate"),
+    ("rollout/invalid_frac", "invalid frac"),
+    ("mismatch/logp_abs_diff_mean", "rollout-trainer |dlogp|"),
+    ("timing/step", "step s"),
+]
+
+PANELS = [
+    ("Entropy", ["policy/entropy"]),
+    ("Reward / accuracy", ["reward/mean", "reward/accuracy"]),
+    ("Clipped fraction by advantage sign", ["clip/low_frac", "clip/high_frac"]),
+    ("Clip bounds in force", ["clip/lower", "clip/upper"]),
+    ("A<0 fraction below 1-eps_low (calibration steps)", ["calib/alpha_fp8_nominal", "calib/alpha_bf16"]),
+    ("False-clip rate (calibration steps)", ["calib/false_clip_rate"]),
+    ("Rollout vs trainer mismatch", ["mismatch/logp_abs_diff_mean"]),
+    ("Invalid (garbled) responses", ["rollout/invalid_frac"]),
+]
+
+
+def series(records: List[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def final_value(records: List[dict], key: str, last: int) -> Optional[float]:
+    """Mean of ``key`` over the last ``last`` steps that logged it (calibration metrics: their last values)."""
+    _, ys = series(records, key)
+    if not ys:
+        return None
+    tail = ys[-last:]
+    return sum(tail) / len(tail)
+
+
+def summary_table(runs: Dict[str, List[dict]], last: int) -> str:
+    present = [(k, label) for k, label in SUMMARY_KEYS if any(series(r, k)[1] for r in runs.values())]
+    head = "| run | steps | " + " | ".join(label for _, label in present) + " |"
+    sep = "|---|---:|" + "---:|" * len(present)
+    rows = [head, sep]
+    for name, recs in runs.items():
+        cells = []
+        for k, _ in present:
+            v = final_value(recs, k, last)
+            cells.append("-" if v is None else f"{v:.3f}")
+        rows.append(f"| {name} | {len(recs)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot(runs: Dict[str, List[dict]], path: Path, smooth: int = 5) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 2
+    rows = math.ceil(len(PANELS) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.0 * rows), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for ci, (name, recs) in enumerate(runs.items()):
+            for ki, key in enumerate(keys):
+                xs, ys = series(recs, key)
+                if not xs:
+                    continue
+                if smooth > 1 and not key.startswith("calib/") and len(ys) > smooth:
+                    ys = [sum(ys[max(0, i - smooth + 1): i + 1]) / (i + 1 - max(0, i - smooth + 1)) for i in range(len(ys))]
+                marker = "o" if key.startswith("calib/") else None
+                ax.plot(xs, ys, styles[ki % len(styles)], color=f"C{ci}", marker=marker, markersize=3,
+                        label=f"{name}: {key}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        if ax.lines:
+            ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(PANELS):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def make_report(run_dirs: Sequence[str], out_dir: Optional[str] = None, last: int = 10,
+                names: Optional[Sequence[str]] = None) -> Path:
+    """Write ``report.png`` and ``summary.md`` for ``run_dirs``; returns the output directory."""
+    runs: Dict[str, List[dict]] = {}
+    for i, d in enumerate(run_dirs):
+        if not (Path(d) / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"{d}/metrics.jsonl not found: is {d} a run directory (output_dir)?")
+        runs[names[i] if names else Path(d).name] = read_metrics(d)
+    out = Path(out_dir) if out_dir else Path(run_dirs[0]).resolve().parent / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plot(runs, out / "report.png")
+    table = summary_table(runs, last)
+    (out / "summary.md").write_text(
+        f"# Run comparison\n\nFinal metrics: mean over the last {last} logged steps "
+        "(calibration metrics: over the last calibration steps).\n\n" + table + "\n\n![report](report.png)\n"
+    )
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog="nemo-fp8rl-report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--out", default=None, help="output directory (default: <parent of first run>/report)")
+    ap.add_argument("--last", type=int, default=10, help="steps averaged for the final-metrics table")
+    args = ap.parse_args(argv)
+    try:
+        out = make_report(args.runs, args.out, args.last)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    print(f"report written to {out}/report.png and {out}/summary.md")
+    print((out / "summary.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""End-to-end: the real CLI runs a few steps of each demo arm; metrics are present, finite and sane."""
+
+import math
+
+import pytest
+
+from ._cli import metrics, run_cli
+
+ARMS = {
+    "bf16": ["fp8=off", "calibration=off"],
+    "fp8": ["fp8=tensorwise", "calibration=measure", "calibration.interval=2", "calibration.min_tokens=4"],
+    "fp8_calibrated": ["fp8=tensorwise", "calibration=paper", "calibration.interval=2", "calibration.min_tokens=4"],
+}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_each_arm_runs_and_logs(tmp_path, arm):
+    out = tmp_path / arm
+    run_cli(out, *ARMS[arm], "trainer.max_steps=3", "algorithm.old_logprobs=rollout")
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    for r in recs:
+        for k in ("reward/mean", "reward/accuracy", "policy/entropy", "train/loss", "train/grad_norm",
+                  "clip/lower", "clip/upper", "clip/low_frac", "clip/high_frac", "rollout/invalid_frac",
+                  "rollout/response_len", "timing/rollout", "timing/train", "timing/step"):
+            assert k in r and r[k] is not None and math.isfinite(r[k]), (k, r.get(k))
+        assert 0.5 <= r["clip/lower"] <= 0.8 + 1e-9 and 1.2 - 1e-9 <= r["clip/upper"] <= 3.0
+    calib_steps = [r for r in recs if "calib/alpha_bf16" in r]
+    if arm == "bf16":
+        assert not calib_steps
+        assert all(r["clip/lower"] == 0.8 and r["clip/upper"] == 1.2 for r in recs)
+        assert "fp8/saturation_frac" not in recs[0]
+    else:
+        assert [r["step"] for r in calib_steps] == [0, 2]
+        for r in calib_steps:
+            for k in ("calib/alpha_bf16", "calib/alpha_fp8_nominal", "calib/false_clip_rate", "calib/tokens",
+                      "calib/lower_raw", "calib/upper_raw", "calib/balance_bf16", "calib/balance_fp8"):
+                assert k in r, k
+            assert r["calib/skipped"] == 0.0 and r["calib/tokens"] >= 4
+            assert 0.0 <= r["calib/alpha_bf16"] <= 1.0
+        assert "timing/shadow" in recs[0] and recs[0]["timing/shadow"] > 0
+        assert recs[0]["fp8/saturation_frac"] == 0.0
+        if arm == "fp8":  # measurement only: bounds stay nominal
+            assert all(r["clip/lower"] == 0.8 and r["clip/upper"] == 1.2 for r in recs)
+        else:  # calibrated bounds apply from the step after the first calibration
+            assert recs[0]["clip/lower"] == 0.8
+            # the first calibration sets the bounds (no smoothing yet): the raw values within the guards
+            c0 = recs[0]
+            assert recs[1]["clip/lower"] == pytest.approx(min(max(c0["calib/lower_raw"], 0.5), 0.8))
+            assert recs[1]["clip/upper"] == pytest.approx(min(max(c0["calib/upper_raw"], 1.2), 3.0))
+    assert (out / "config.yaml").is_file() and (out / "checkpoints" / "latest").read_text().strip() == "step_3"
+
+
+def test_dapo_preset_with_dynamic_sampling_and_recompute(tmp_path):
+    out = tmp_path / "dapo"
+    run_cli(out, "algorithm=dapo", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
+            "algorithm.overlong_buffer_len=2", "fp8=blockwise", "calibration=paper", "calibration.interval=1",
+            "calibration.min_tokens=4", "trainer.max_steps=2", "algorithm.old_logprobs=recompute")
+    recs = metrics(out)
+    assert len(recs) == 2
+    r = recs[-1]
+    assert 0.0 <= r["rollout/dynamic_kept_frac"] <= 1.0
+    assert r["clip/upper"] >= 1.28 - 1e-9  # clip-higher preset
+    assert "mismatch/logp_abs_diff_mean" in r and r["mismatch/logp_abs_diff_mean"] > 0  # FP8 rollout vs trainer
+    assert "mismatch/fp8_bf16_logp_abs_diff_mean" in recs[0]
+
+
+def test_invalid_config_is_one_clear_message(tmp_path):
+    proc = run_cli(tmp_path / "bad", "algorithm.eps_low=1.5", check=False)
+    assert proc.returncode == 2
+    assert "algorithm.eps_low=1.5" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(tmp_path / "bad2", "calibration=paper", check=False)  # FP8 off + calibration
+    assert proc.returncode == 2 and "calibration is on but training FP8 is off" in proc.stderr
