@@ -77,6 +77,9 @@ LAYOUTS = {
     "A_dp2": (CFG_A, dict(micro_batch_size=2), None),
     # FP8 current scaling depends on each microbatch's amax: compare at equal microbatch size.
     "A_pp2_fp8": (CFG_A, dict(pipeline_model_parallel_size=2, micro_batch_size=3), "tensorwise"),
+    # MXFP8 1x32 blocks line up with the TP=2 shards of CFG_A (every sharded dim is a multiple of 32),
+    # so each FP8 GEMM sees the same blocks as at TP=1: exercises the FP8 path's TP communication.
+    "A_tp2_mxfp8": (CFG_A, dict(tensor_model_parallel_size=2, micro_batch_size=3), "mxfp8"),
     "B_tp2": (CFG_B, dict(tensor_model_parallel_size=2, micro_batch_size=3), None),
     "B_pp2": (CFG_B, dict(pipeline_model_parallel_size=2, micro_batch_size=4), None),
 }
@@ -84,6 +87,7 @@ LAYOUTS = {
 REFERENCES = {
     "A": (CFG_A, dict(micro_batch_size=6), None),
     "A_fp8": (CFG_A, dict(micro_batch_size=3), "tensorwise"),
+    "A_mxfp8": (CFG_A, dict(micro_batch_size=3), "mxfp8"),
     "B": (CFG_B, dict(micro_batch_size=6), None),
 }
 

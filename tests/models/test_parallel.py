@@ -22,14 +22,16 @@ def runs():
 
 
 def _ref_for(name):
-    return "A_fp8" if name.endswith("_fp8") else name[0]
+    return {"A_pp2_fp8": "A_fp8", "A_tp2_mxfp8": "A_mxfp8"}.get(name, name[0])
 
 
 @pytest.mark.parametrize("name", list(S.LAYOUTS))
 def test_layout_matches_single_process(runs, name):
     refs, ranks = runs
     ref = refs[_ref_for(name)]
-    exact_fp8 = name.endswith("_fp8")  # PP does not change what each FP8 GEMM sees
+    exact_fp8 = name == "A_pp2_fp8"  # PP does not change what each FP8 GEMM sees
+    # FP8 under TP: same blocks, but float32 sums in another order can flip a rare FP8 rounding.
+    fp8_tp = name == "A_tp2_mxfp8"
     for rank, res in enumerate(ranks):
         out = res[name]
         tp, pp, dp, _ = out["layout"]
@@ -38,16 +40,18 @@ def test_layout_matches_single_process(runs, name):
         assert out["init"].keys() == ref["init"].keys()
         for k in ref["init"]:
             assert torch.equal(out["init"][k], ref["init"][k]), (name, rank, k)
-        tol = dict(atol=1e-6, rtol=0) if exact_fp8 else dict(atol=2e-5, rtol=1e-5)
+        tol = dict(atol=1e-6, rtol=0) if exact_fp8 else dict(atol=2e-3 if fp8_tp else 2e-5, rtol=1e-5)
         torch.testing.assert_close(out["lp0"], ref["lp0"], **tol)
         torch.testing.assert_close(out["ent0"], ref["ent0"], **tol)
         torch.testing.assert_close(out["lp0_t"], ref["lp0_t"], **tol)
         for step in range(len(ref["metrics"])):
             for key, val in ref["metrics"][step].items():
-                assert out["metrics"][step][key] == pytest.approx(val, rel=1e-4, abs=1e-5), (name, step, key)
-            torch.testing.assert_close(out["logprobs"][step], ref["logprobs"][step], atol=5e-5, rtol=1e-5)
+                rel = 2e-3 if fp8_tp else 1e-4
+                assert out["metrics"][step][key] == pytest.approx(val, rel=rel, abs=1e-5), (name, step, key)
+            torch.testing.assert_close(out["logprobs"][step], ref["logprobs"][step],
+                                       atol=2e-3 if fp8_tp else 5e-5, rtol=1e-5)
         for k in ref["final"]:
-            torch.testing.assert_close(out["final"][k], ref["final"][k], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(out["final"][k], ref["final"][k], atol=1e-3 if fp8_tp else 1e-4, rtol=1e-4)
 
 
 def test_training_moved_the_model(runs):
