@@ -562,12 +562,17 @@ def build_actor(
     device = resolve_device(device)
     init_distributed(parallel_cfg, model_cfg, device=device)
     use_te = resolve_use_te(use_te, device)
-    torch.manual_seed(seed)
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+        # Megatron's TP-aware CUDA RNG tracker (TE modules and megatron's GPU init draw from it).
         model_parallel_cuda_manual_seed(seed)
-    model, report = build_gpt_model(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te, device=device)
+    # Megatron's own (layout-dependent, overwritten below) CPU initialisation draws from the global
+    # RNG: fork it so building an actor leaves the caller's random stream untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, report = build_gpt_model(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te,
+                                        device=device)
     device = next(model.parameters()).device
     init = init_hf_state_dict(model_cfg, seed, stage_hf_names(model, model_cfg), device=device)
     load_stage_hf(model, model_cfg, init, ps.get_tensor_model_parallel_rank(),

@@ -283,3 +283,11 @@ def test_fp8_health_metrics():
     assert m["fp8/nonfinite_amax"][0].item() == 0
     assert actor.fp8_metrics()["fp8/quantized"][0].item() == 0  # reset by the previous call
     assert _actor().fp8_metrics()["fp8/quantized"][0].item() == 0  # FP8 off: nothing counted
+
+
+def test_build_leaves_the_global_rng_alone():
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    _actor(seed=5)
+    assert torch.equal(torch.rand(3), expected)
