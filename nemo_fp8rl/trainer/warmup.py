@@ -68,7 +68,7 @@ def run_warmup(cfg: TrainConfig, model_cfg: ModelConfig, task) -> Optional[Dict[
     actor = build_actor(model_cfg, cfg.parallel, fp8_recipe=None, seed=cfg.seed, lr=w.lr,
                         grad_clip=cfg.optim.grad_clip, use_te=cfg.fp8.use_te)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1 + actor.dp_rank)
-    log_every = max(1, w.steps // 5)
+    log_every = max(1, w.steps // 10)
     for s in range(w.steps):
         tokens, mask = task.warmup_examples(w.batch_size, gen)
         m = actor.train_step({"tokens": tokens, "mask": mask.float()}, sft_loss)
