@@ -73,7 +73,13 @@ def _main_hydra() -> None:
     def _app(dict_cfg: DictConfig) -> None:
         from nemo_fp8rl.config.schema import ConfigError
 
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN and not any(o.startswith("output_dir=") for o in hc.overrides.task):
+            dict_cfg.output_dir = hc.runtime.output_dir  # one run directory per sweep job
         try:
             cfg = to_train_config(dict_cfg)
         except ConfigError as e:

@@ -71,3 +71,18 @@ def test_invalid_config_is_one_clear_message(tmp_path):
     assert "algorithm.eps_low=1.5" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_cli(tmp_path / "bad2", "calibration=paper", check=False)  # FP8 off + calibration
     assert proc.returncode == 2 and "calibration is on but training FP8 is off" in proc.stderr
+
+
+def test_multirun_gives_each_job_its_own_run_dir(tmp_path):
+    import subprocess
+    import sys
+
+    from ._cli import TINY
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "nemo_fp8rl.train", "-m", *TINY, "seed=1,2", "trainer.max_steps=1",
+           "warmup.steps=2", f"warmup.cache_dir={tmp_path / 'cache'}", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(metrics(sweep / "0")) == 1 and len(metrics(sweep / "1")) == 1
+    assert metrics(sweep / "0")[0]["reward/mean"] is not None
