@@ -44,23 +44,58 @@ def write_resolved_config(cfg, output_dir: str) -> None:
     atomic_write_bytes(Path(output_dir) / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)).encode())
 
 
-def run(cfg) -> dict:
-    """Warm-up (cached) then RL; returns the last step's metrics. ``cfg``: a validated TrainConfig."""
-    import torch.distributed as dist
+def prepare(cfg):
+    """Build the trainer, warm up (cached), restore or initialise weights, then write config.yaml.
 
+    Everything here runs before the first RL step; what fails here is configuration or input.
+    config.yaml is written only after the run directory was accepted (never over another run's).
+    """
     import torch
+    import torch.distributed as dist
 
     from nemo_fp8rl.trainer import RLTrainer, run_warmup
 
     if cfg.trainer.cpu_threads and not torch.cuda.is_available():
         torch.set_num_threads(cfg.trainer.cpu_threads)
     trainer = RLTrainer(cfg)
-    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-        write_resolved_config(cfg, cfg.output_dir)
+    trainer.check_run_dir()
     resuming = cfg.resume and trainer.ckpt.latest_step() is not None
     warm = None if resuming else run_warmup(cfg, trainer.model_cfg, trainer.task)
     trainer.setup(warm_start=warm)
-    return trainer.fit()
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        write_resolved_config(cfg, cfg.output_dir)
+    return trainer
+
+
+def run(cfg) -> dict:
+    """Warm-up (cached) then RL; returns the last step's metrics. ``cfg``: a validated TrainConfig."""
+    return prepare(cfg).fit()
+
+
+def run_cli(cfg) -> int:
+    """:func:`run` with user errors turned into one message and an exit code (no traceback).
+
+    2: the configuration, checkpoint or input data cannot work (nothing was trained);
+    3: training stopped itself (repeated non-finite updates; a checkpoint of the last good state exists);
+    1: a checkpoint could not be written (disk full, permissions).
+    """
+    from nemo_fp8rl.config.schema import ConfigError
+    from nemo_fp8rl.trainer import CheckpointError, StopTraining
+
+    try:
+        trainer = prepare(cfg)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"nemo-fp8rl-train: cannot start: {e}", file=sys.stderr)
+        return 2
+    try:
+        trainer.fit()
+    except StopTraining as e:
+        print(f"nemo-fp8rl-train: stopped: {e}", file=sys.stderr)
+        return 3
+    except CheckpointError as e:
+        print(f"nemo-fp8rl-train: checkpoint failed: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _main_hydra() -> None:
@@ -85,7 +120,9 @@ def _main_hydra() -> None:
         except ConfigError as e:
             print(f"nemo-fp8rl-train: invalid config: {e}", file=sys.stderr)
             sys.exit(2)
-        run(cfg)
+        rc = run_cli(cfg)
+        if rc:  # a multirun keeps going after a successful job: exit only on failure
+            sys.exit(rc)
 
     _app()
 

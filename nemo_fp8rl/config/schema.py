@@ -203,8 +203,9 @@ class TaskConfig:
 class WarmupConfig:
     """Supervised warm-up before RL, so RL starts from a policy that is right part of the time."""
 
-    steps: int = 900
-    """Supervised steps (0 = none)."""
+    steps: int = 1100
+    """Supervised steps (0 = none). 1100 brings the tiny model to ~0.45 sampled accuracy on 3-digit
+    addition (measured, seed 1), a start where RL has room to improve; set 0 for pretrained checkpoints."""
     lr: float = 1e-3
     """Warm-up learning rate."""
     batch_size: int = 64

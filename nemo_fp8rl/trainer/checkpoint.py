@@ -45,13 +45,23 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync, rename."""
+    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync, rename.
+
+    On failure (e.g. ENOSPC) the temporary file is removed and ``path`` is left as it was.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _rank() -> int:
@@ -115,7 +125,15 @@ class CheckpointManager:
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
-        atomic_write_bytes(tmp / f"rank_{rank}.pt", data)
+        try:
+            atomic_write_bytes(tmp / f"rank_{rank}.pt", data)
+        except OSError as e:
+            # Disk full / quota / permissions: drop the partial directory, keep every older checkpoint.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"writing {tmp / f'rank_{rank}.pt'} ({len(data)} bytes) failed: {e.strerror or e}; the partial "
+                f"checkpoint was removed and older checkpoints in {self.root} are intact. Free space or move output_dir."
+            ) from e
         digest = hashlib.sha256(data).hexdigest()
         files = [None] * world
         if world > 1:

@@ -153,8 +153,17 @@ class RLTrainer:
         self.logger: Optional[MetricsLogger] = None
 
     # ------------------------------------------------------------------ setup
+    def check_run_dir(self) -> None:
+        """Refuse to start a fresh run in a directory that holds another run (nothing is overwritten)."""
+        if not self.cfg.resume and (self.ckpt.steps() or (self.out / "metrics.jsonl").exists()):
+            raise ValueError(
+                f"{self.out} already holds a run (checkpoints {self.ckpt.steps()}); pass resume=true to continue "
+                "that run or choose a new output_dir (nothing was overwritten)"
+            )
+
     def setup(self, *, warm_start: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Resume from the latest checkpoint (``resume=true``) or load warm-start weights; open the logger."""
+        self.check_run_dir()
         start = 0
         latest = self.ckpt.latest_step() if self.cfg.resume else None
         if latest is not None:
@@ -162,11 +171,6 @@ class RLTrainer:
             start = self.step_idx
             logger.info("resumed from %s/checkpoints/step_%d", self.cfg.output_dir, latest)
         else:
-            if self.ckpt.steps() and not self.cfg.resume:
-                raise ValueError(
-                    f"{self.ckpt.root} already holds checkpoints {self.ckpt.steps()}; pass resume=true to continue "
-                    "that run or choose a new output_dir (nothing was overwritten)"
-                )
             if warm_start is not None:
                 self.actor.load_weights(warm_start)
         if self.cfg.algorithm.kl_coef > 0 and not self.actor.has_reference:
