@@ -1,7 +1,9 @@
 """Verifiable tasks: prompts with ground truth, tokenizers, reward functions run safely.
 
 ``get_task("arithmetic", digits=3)`` or ``get_task("math_jsonl", path="data.jsonl")`` builds a
-:class:`Task`; see :mod:`nemo_fp8rl.tasks.base` for the interface.
+:class:`Task`; see :mod:`nemo_fp8rl.tasks.base` for the interface. ``get_task("math_jsonl", path=...,
+tokenizer="/ckpt/Qwen3-8B")`` uses the checkpoint's Hugging Face tokenizer and chat template
+(:class:`HFTokenizer`).
 
 The names below are loaded lazily (PEP 562): the reward worker process imports
 ``nemo_fp8rl.tasks.reward_runner`` and ``nemo_fp8rl.tasks.rewards``, which need only the standard
@@ -27,14 +29,16 @@ _EXPORTS = {
     "ArithmeticTask": "arithmetic",
     "MathJsonlTask": "math_jsonl",
     "JsonlDataError": "math_jsonl",
+    "HFTokenizer": "hf_tokenizer",
+    "load_tokenizer": "hf_tokenizer",
     "RewardRunner": "reward_runner",
     "RewardResult": "reward_runner",
 }
 
 __all__ = [  # noqa: RUF022 - same order as _EXPORTS
     "Task", "Tokenizer", "CharTokenizer", "Prompt", "Scores", "get_task", "register_task", "task_names",
-    "task_class", "pad_examples", "ArithmeticTask", "MathJsonlTask", "JsonlDataError", "RewardRunner",
-    "RewardResult",
+    "task_class", "pad_examples", "ArithmeticTask", "MathJsonlTask", "JsonlDataError", "HFTokenizer",
+    "load_tokenizer", "RewardRunner", "RewardResult",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 

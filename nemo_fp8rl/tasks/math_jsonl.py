@@ -9,8 +9,13 @@ counted instead (``skipped_rows``, ``skipped_by_reason``, logged once). Blank li
 Reward: Hugging Face ``math-verify`` parses the ground truth (wrapped in ``\\boxed{}`` unless it already
 has ``$`` or ``\\boxed``) and the response into SymPy and compares them (so ``\\frac{1}{2}``, ``1/2`` and
 ``0.5`` agree). A response is well-formed when it holds a non-empty ``\\boxed{...}`` with balanced
-braces. The tokenizer is a character tokenizer over printable ASCII, newline, and every character of
-the data (a later issue adds Hugging Face tokenizers behind the same interface).
+braces.
+
+Tokenizer: by default a character tokenizer over printable ASCII, newline, and every character of the
+data; prompts are ``[BOS] + characters``. With ``tokenizer=<checkpoint directory>`` (or a tokenizer
+object) the model's own Hugging Face tokenizer is used (:class:`~nemo_fp8rl.tasks.hf_tokenizer.HFTokenizer`)
+and each prompt is built by its chat template (user turn + generation prompt) when it has one and
+``chat_template`` is true, else as the text with the tokenizer's own special tokens.
 """
 
 from __future__ import annotations
@@ -47,12 +52,16 @@ class MathJsonlTask(Task):
         path: the JSONL file.
         prompt_key, answer_key: field names of the prompt and the ground-truth answer in each object.
         on_error: ``"raise"`` (stop at the first malformed row, naming file:line) or ``"skip"`` (skip and count).
-        max_prompt_len: most prompt tokens (BOS included, after ``prompt_template``); longer rows are malformed.
-        prompt_template: Python format string with ``{prompt}``, applied to each prompt.
+        max_prompt_len: most prompt tokens (special tokens and chat template included, after
+            ``prompt_template``); longer rows are malformed.
+        prompt_template: Python format string with ``{prompt}``, applied to each prompt (before the chat template).
         format_reward: reward of a well-formed (boxed) wrong answer; 0 disables it.
         shuffle: reshuffle the rows each epoch (False = file order).
         seed: seed of the shuffling.
         reward_timeout_s: per-call reward timeout in seconds.
+        tokenizer: None (character tokenizer), a Hugging Face checkpoint/tokenizer directory, or a
+            tokenizer object with the ``Tokenizer`` interface.
+        chat_template: with a Hugging Face tokenizer that has a chat template, wrap each prompt in it.
     """
 
     name = "math_jsonl"
@@ -69,6 +78,8 @@ class MathJsonlTask(Task):
         shuffle: bool = True,
         seed: int = 0,
         reward_timeout_s: float = 5.0,
+        tokenizer: Any = None,
+        chat_template: bool = True,
     ) -> None:
         super().__init__(seed=seed, reward_timeout_s=reward_timeout_s)
         if on_error not in ("raise", "skip"):
@@ -88,19 +99,26 @@ class MathJsonlTask(Task):
         self.prompt_template = prompt_template
         self.format_reward = float(format_reward)
         self.shuffle = bool(shuffle)
+        self.chat_template = bool(chat_template)
         self.skipped_by_reason: Counter[str] = Counter()
 
         rows = self._read_rows()
-        chars = set(_BASE_CHARS)
-        for _, text, answer in rows:
-            chars.update(text)
-            chars.update(answer)
-        self.tokenizer = CharTokenizer(sorted(chars))
+        if tokenizer is None:
+            chars = set(_BASE_CHARS)
+            for _, text, answer in rows:
+                chars.update(text)
+                chars.update(answer)
+            self.tokenizer = CharTokenizer(sorted(chars))
+        else:
+            from nemo_fp8rl.tasks.hf_tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(tokenizer)
         self.rows: list[Prompt] = []
+        included = "special tokens included" if hasattr(self.tokenizer, "encode_prompt") else "BOS included"
         for line, text, answer in rows:
-            ids = [self.tokenizer.bos_id] + self.tokenizer.encode(text)
+            ids = self.prompt_ids(text)
             if len(ids) > max_prompt_len:
-                self._bad(line, "too_long", f"prompt is {len(ids)} tokens (BOS included) > task.max_prompt_len="
+                self._bad(line, "too_long", f"prompt is {len(ids)} tokens ({included}) > task.max_prompt_len="
                           f"{max_prompt_len}; shorten it or raise task.max_prompt_len")
                 continue
             self.rows.append(Prompt(ids=ids, text=text, answer=answer, meta={"source": f"{self.path}:{line}"}))
@@ -110,6 +128,14 @@ class MathJsonlTask(Task):
             raise JsonlDataError(f"{self.path}: no usable rows (skipped {dict(self.skipped_by_reason)})")
         self.epoch, self.cursor = 0, 0
         self.order = self._new_order()
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Token ids of a (templated) prompt: the tokenizer's ``encode_prompt`` (chat template) when it has
+        one, else ``[BOS] + encode(text)``."""
+        encode_prompt = getattr(self.tokenizer, "encode_prompt", None)
+        if encode_prompt is not None:
+            return list(encode_prompt(text, chat_template=self.chat_template))
+        return [self.tokenizer.bos_id] + self.tokenizer.encode(text)
 
     # ---------------------------------------------------------------- loading
     @property
