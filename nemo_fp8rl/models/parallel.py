@@ -169,9 +169,14 @@ def init_distributed(parallel_cfg: ParallelConfig, model_cfg: Optional[ModelConf
             if not torch.cuda.is_available():
                 raise ValueError("parallel.backend=nccl needs CUDA; set parallel.backend=gloo on CPU")
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+        if env.source == "single":
+            # One process: an in-memory store, no TCP port and no MASTER_* variables leaking into
+            # child processes (a child inheriting MASTER_PORT would collide with this process's store).
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            os.environ.setdefault("MASTER_ADDR", env.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(env.master_port))
+            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
         _WE_STARTED_PROCESS_GROUP = True
         log.info("torch.distributed: %s backend, rank %d of %d (%s)", backend, env.rank,
                  env.world_size, env.source)

@@ -148,6 +148,7 @@ class CheckpointManager:
         if rank == 0:
             if final.exists():  # re-saving a step (e.g. after a resume): replace the old copy
                 old = self.root / f".old-step_{step}"
+                shutil.rmtree(old, ignore_errors=True)  # left by an earlier kill
                 os.replace(final, old)
                 os.replace(tmp, final)
                 shutil.rmtree(old, ignore_errors=True)
@@ -166,7 +167,11 @@ class CheckpointManager:
             if p.name.startswith((".tmp-step_", ".old-step_")) and p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
         for s in self.steps()[: -self.keep_last]:
-            shutil.rmtree(self.root / f"step_{s}", ignore_errors=True)
+            # Rename first (atomic), then delete: a kill during the slow delete leaves a hidden
+            # directory, never a step_<N> that looks complete but lost files.
+            doomed = self.root / f".old-step_{s}"
+            os.replace(self.root / f"step_{s}", doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def load(self, step: int, fingerprint: Dict[str, Any]) -> Dict[str, Any]:

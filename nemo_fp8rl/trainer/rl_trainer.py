@@ -151,6 +151,7 @@ class RLTrainer:
         self.skipped_total = 0
         self._stop_signal: Optional[int] = None
         self.logger: Optional[MetricsLogger] = None
+        self._log_file: Optional[logging.Handler] = None
 
     # ------------------------------------------------------------------ setup
     def check_run_dir(self) -> None:
@@ -175,6 +176,10 @@ class RLTrainer:
                 self.actor.load_weights(warm_start)
         if self.cfg.algorithm.kl_coef > 0 and not self.actor.has_reference:
             self.actor.keep_reference()  # the RL starting point (after warm-up) is the reference policy
+        if self.rank == 0 and self._log_file is None:  # the run's own log, next to its metrics
+            self._log_file = logging.FileHandler(self.out / "train.log")
+            self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logging.getLogger().addHandler(self._log_file)
         self.logger = MetricsLogger(
             self.cfg.output_dir, tensorboard=self.cfg.logger.tensorboard, progress=self.cfg.logger.progress,
             max_steps=self.cfg.trainer.max_steps, start_step=start, enabled=self.rank == 0,
@@ -443,6 +448,10 @@ class RLTrainer:
                 signal.signal(s, h)
             if self.logger is not None:
                 self.logger.close()
+            if self._log_file is not None:
+                logging.getLogger().removeHandler(self._log_file)
+                self._log_file.close()
+                self._log_file = None
             self.task.close()
 
 

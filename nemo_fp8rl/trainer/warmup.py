@@ -78,10 +78,13 @@ def run_warmup(cfg: TrainConfig, model_cfg: ModelConfig, task) -> Optional[Dict[
     weights = actor.export_weights()
     rank = dist.get_rank() if dist.is_initialized() else 0
     if w.cache and rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
         buf = io.BytesIO()
         torch.save({"weights": weights, "seconds": time.time() - t0}, buf)
-        atomic_write_bytes(path, buf.getvalue())
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, buf.getvalue())
+        except OSError as e:  # a cache is an optimisation: the run goes on without it
+            logger.warning("warm-up cache not written to %s (%s); the run continues", path, e)
     logger.info("warm-up: %d steps in %.0fs", w.steps, time.time() - t0)
     del actor
     return weights
