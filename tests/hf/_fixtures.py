@@ -118,3 +118,51 @@ def hf_logits(path_or_model, tokens: torch.Tensor) -> torch.Tensor:
 
 def make_tokens(vocab: int, B: int = 3, T: int = 10, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def make_policy_checkpoint(out: Path, tokenizer_dir: Path, examples: list[tuple[str, str]], *, steps: int = 150,
+                           seed: int = 0) -> Path:
+    """A tiny Qwen3 chat model that already does the task part of the time, like a published checkpoint.
+
+    Trained with transformers (AdamW, cross-entropy on the answer tokens) on ``examples`` (prompt,
+    answer) rendered as the task renders them: chat template + generation prompt, then
+    ``\\boxed{answer}<|im_end|>``. Giving a prompt two answers makes the policy split between them, so
+    GRPO groups see different rewards. Saved with the tokenizer files, float32.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    torch.manual_seed(seed)
+    cfg = hf_config("qwen3", vocab_size=320)
+    cfg.initializer_range = 0.02
+    model = AutoModelForCausalLM.from_config(cfg)
+    seqs, starts = [], []
+    for prompt, answer in examples:
+        p = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        p = list(p["input_ids"] if hasattr(p, "keys") else p)
+        seqs.append(p + tok.encode("\\boxed{" + answer + "}", add_special_tokens=False) + [tok.eos_token_id])
+        starts.append(len(p))
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), tok.pad_token_id)
+    labels = torch.full((len(seqs), T), -100)
+    for i, (s, st) in enumerate(zip(seqs, starts)):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, st: len(s)] = torch.tensor(s[st:])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny GEMMs: more threads only contend on shared cores
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    model.save_pretrained(str(out))
+    for f in tokenizer_dir.iterdir():
+        if f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
