@@ -505,7 +505,7 @@ def _load_with_bridge(actor, path: Path) -> None:
 def _spot_check(actor, ckpt: HFCheckpoint) -> None:
     """After a megatron-bridge load: replicated norm weights and this rank's embedding rows equal the
     checkpoint's (catches a wrong directory or a load that silently skipped tensors)."""
-    m, cfg = actor.model, actor.model_cfg
+    m = actor.model
     checks = []
     if actor.is_last_stage:
         checks.append(("model.norm.weight", m.decoder.final_layernorm.weight))
@@ -527,7 +527,6 @@ def _spot_check(actor, ckpt: HFCheckpoint) -> None:
         rows = ref["model.embed_tokens.weight"].float()[start:start + emb.shape[0]]
         if not torch.equal(emb[: rows.shape[0]], rows):
             raise RuntimeError("megatron-bridge loaded model.embed_tokens.weight differently from the checkpoint")
-    del cfg
 
 
 def load_hf_weights(actor, path: str | os.PathLike | None = None, *, backend: str = "auto") -> str:
@@ -550,7 +549,10 @@ def load_hf_weights(actor, path: str | os.PathLike | None = None, *, backend: st
     Raises:
         HFCheckpointError: missing/unsupported checkpoint, tensors missing, unexpected or mis-shaped.
     """
-    path = Path(path or actor.model_cfg.hf_path or "")
+    path = path or actor.model_cfg.hf_path
+    if not path:
+        raise ValueError("load_hf_weights: no checkpoint directory given and actor.model_cfg.hf_path is not set")
+    path = Path(path)
     if backend not in ("auto", "native", "megatron-bridge"):
         raise ValueError(f"backend={backend!r}; use 'auto', 'native' or 'megatron-bridge'")
     hf_cfg = read_hf_config(path)

@@ -120,3 +120,25 @@ def test_export_overwrites_atomically(runs, tmp_path):
     out = save_hf_state_dict(r["weights1"], cfg, tmp_path / "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no temporary or old directories left
     torch.testing.assert_close(hf_logits(out, r["tokens"]), r["logits1"], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_checkpoint_loads_and_exports_in_bf16(tmp_path):
+    """Published checkpoints are BF16: loaded into float32 master weights exactly (BF16 -> FP32 is
+    lossless), exported back in the checkpoint's dtype by default."""
+    from ._fixtures import make_checkpoint
+
+    src = make_checkpoint("qwen2", tmp_path / "src", seed=4, shard=False)
+    model = hf_model(src).to(torch.bfloat16)
+    model.save_pretrained(str(tmp_path / "bf16"))
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    ref = hf_model(tmp_path / "bf16")  # upcast to float32 on load
+    tokens = make_tokens(ref.config.vocab_size)
+    r = run_policy(str(tmp_path / "bf16"), {"micro_batch_size": 4}, tokens, export_to=str(tmp_path / "out"))
+    torch.testing.assert_close(r["logits0"], hf_logits(ref, tokens), atol=1e-5, rtol=1e-5)
+    for n, t in ref.state_dict().items():
+        assert torch.equal(r["weights0"][n], t), n
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
