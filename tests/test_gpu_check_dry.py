@@ -1,0 +1,23 @@
+"""benchmarks/gpu_check.sh --dry-run runs its CPU parts (the GPU run itself needs a lent GPU)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "gpu"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry-run"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env_info = json.loads((out / "env.json").read_text())
+    assert env_info["torch"] == __import__("torch").__version__
+    parity = json.loads((out / "parity.json").read_text())
+    assert set(parity["max_abs_diff"]) == {"tensorwise", "blockwise_1x128", "blockwise_128x128", "mxfp8"}
+    assert all(v == 0.0 for v in parity["max_abs_diff"].values())
+    assert "## throughput: ok" in (out / "summary.md").read_text()
