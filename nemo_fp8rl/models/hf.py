@@ -406,7 +406,7 @@ class HFCheckpoint:
         for fname in files:
             try:
                 with safe_open(str(self.path / fname), framework="pt") as f:
-                    for k in f.keys():
+                    for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
                         self.file_of[k] = fname
                         self.shapes[k] = tuple(f.get_slice(k).get_shape())
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types

@@ -59,8 +59,8 @@ def make_tokenizer(out: Path):
 def hf_config(arch: str, vocab_size: int | None = None):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.15)
+    common = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "initializer_range": 0.15}
     if arch == "llama":
         return LlamaConfig(vocab_size=vocab_size or 301, max_position_embeddings=16384, head_dim=16,
                            rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,

@@ -33,7 +33,7 @@ def runs(checkpoints, tmp_path_factory):
     for arch in ARCHS:
         ref = hf_model(checkpoints[arch])
         tokens = make_tokens(ref.config.vocab_size)
-        res = run_policy(str(checkpoints[arch]), dict(micro_batch_size=2), tokens, export_to=str(root / arch))
+        res = run_policy(str(checkpoints[arch]), {"micro_batch_size": 2}, tokens, export_to=str(root / arch))
         out[arch] = dict(res, tokens=tokens, ref=ref, export=root / arch)
     return out
 
