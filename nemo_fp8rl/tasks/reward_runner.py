@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -87,6 +88,12 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
     ``("err", i, message)``.
     """
     os.dup2(2, 1)  # anything the reward function prints goes to stderr, never into the result pipe
+    # The parent owns this process's lifetime (pipe EOF, watchdog, kill on timeout). Signals meant for the
+    # trainer reach every process of a job - SLURM's --signal/scancel --signal and preemption SIGTERM go to
+    # all processes of a step, Ctrl-C to the terminal's process group - and must not kill the worker while
+    # the trainer finishes its step and checkpoints.
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
 
     def watchdog() -> None:
