@@ -31,8 +31,12 @@ def to_train_config(dict_cfg):
     from omegaconf import OmegaConf
 
     from nemo_fp8rl.config.schema import validate
+    from nemo_fp8rl.models.hf import resolve_model_config
 
-    return validate(OmegaConf.to_object(dict_cfg))
+    cfg = OmegaConf.to_object(dict_cfg)
+    # model.hf_path fills the shape from config.json before validation checks the parallel layout
+    cfg.model = resolve_model_config(cfg.model)
+    return validate(cfg)
 
 
 def write_resolved_config(cfg, output_dir: str) -> None:

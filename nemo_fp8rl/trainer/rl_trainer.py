@@ -66,7 +66,8 @@ def task_kwargs(cfg: TrainConfig, factory, seed: int) -> dict:
 
 def model_fingerprint(cfg: TrainConfig) -> Dict[str, object]:
     """Config keys that must not change across a resume (they shape the model, optimizer state or layout)."""
-    fp = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k != "name"}
+    # hf_path is where the weights came from, not what they are: moving the checkpoint must not block resume
+    fp = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("name", "hf_path")}
     fp.update({f"parallel.{k}": v for k, v in dataclasses.asdict(cfg.parallel).items() if k != "backend"})
     fp["fp8.recipe"] = cfg.fp8.recipe
     fp["fp8.amax_history_len"] = cfg.fp8.amax_history_len
@@ -87,9 +88,11 @@ class RLTrainer:
         from megatron.core import parallel_state as ps
 
         from nemo_fp8rl.models import build_actor, init_distributed
+        from nemo_fp8rl.models.hf import load_hf_policy, resolve_model_config
         from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
         from nemo_fp8rl.tasks import get_task, task_class
 
+        cfg.model = resolve_model_config(cfg.model)  # model.hf_path: shape from config.json
         self.cfg = validate(cfg)
         a = cfg.algorithm
         self.out = Path(cfg.output_dir)
@@ -97,8 +100,15 @@ class RLTrainer:
         # Each data-parallel rank draws its own prompt stream (the task's own RNG, saved in checkpoints).
         init_distributed(cfg.parallel, cfg.model)
         dp_rank = ps.get_data_parallel_rank()
-        self.task = get_task(cfg.task.name,
-                             **task_kwargs(cfg, task_class(cfg.task.name), seed=cfg.seed * 1000 + 29 + dp_rank))
+        task_kw = task_kwargs(cfg, task_class(cfg.task.name), seed=cfg.seed * 1000 + 29 + dp_rank)
+        if cfg.model.hf_path:  # a pretrained policy speaks its own tokenizer (and chat template)
+            if "tokenizer" not in inspect.signature(task_class(cfg.task.name)).parameters:
+                raise ValueError(
+                    f"task.name={cfg.task.name!r} has a built-in tokenizer and cannot use model.hf_path's; "
+                    "use task=math_jsonl with a Hugging Face checkpoint, or model.hf_path=null"
+                )
+            task_kw["tokenizer"] = cfg.model.hf_path
+        self.task = get_task(cfg.task.name, **task_kw)
         tok = self.task.tokenizer
         self.model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or tok.vocab_size)
         if self.model_cfg.vocab_size < tok.vocab_size:
@@ -107,7 +117,7 @@ class RLTrainer:
                 f"{tok.vocab_size}; set model.vocab_size=null to take it from the tokenizer"
             )
         self.recipe = build_fp8_recipe(cfg)
-        self.actor = build_actor(
+        self.actor = (load_hf_policy if cfg.model.hf_path else build_actor)(
             self.model_cfg, cfg.parallel, fp8_recipe=self.recipe, seed=cfg.seed, lr=cfg.optim.lr,
             weight_decay=cfg.optim.weight_decay, adam_betas=(cfg.optim.beta1, cfg.optim.beta2),
             grad_clip=cfg.optim.grad_clip, keep_reference=False, use_te=cfg.fp8.use_te,
@@ -442,6 +452,10 @@ class RLTrainer:
                     self.save_checkpoint()
             if self.ckpt.latest_step() != self.step_idx:
                 self.save_checkpoint()
+            if self.cfg.model.hf_path:  # the trained policy back in Hugging Face format
+                from nemo_fp8rl.models.hf import save_hf_checkpoint
+
+                save_hf_checkpoint(self.actor, self.out / "hf")
             return last
         finally:
             for s, h in old_handlers.items():

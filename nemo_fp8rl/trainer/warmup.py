@@ -52,6 +52,7 @@ def warmup_key(cfg: TrainConfig, model_cfg: ModelConfig) -> str:
 def run_warmup(cfg: TrainConfig, model_cfg: ModelConfig, task) -> Optional[Dict[str, torch.Tensor]]:
     """Warmed-up weights (Hugging Face naming, full tensors) or None when ``warmup.steps == 0``."""
     from nemo_fp8rl.models import build_actor
+    from nemo_fp8rl.models.hf import load_hf_policy
 
     w = cfg.warmup
     if w.steps == 0:
@@ -65,8 +66,9 @@ def run_warmup(cfg: TrainConfig, model_cfg: ModelConfig, task) -> Optional[Dict[
         except Exception as e:  # noqa: BLE001  (a corrupt cache entry is recomputed, not fatal)
             logger.warning("warm-up cache %s unreadable (%s); recomputing", path, e)
     t0 = time.time()
-    actor = build_actor(model_cfg, cfg.parallel, fp8_recipe=None, seed=cfg.seed, lr=w.lr,
-                        grad_clip=cfg.optim.grad_clip, use_te=cfg.fp8.use_te)
+    build = load_hf_policy if model_cfg.hf_path else build_actor  # SFT starts from the checkpoint
+    actor = build(model_cfg, cfg.parallel, fp8_recipe=None, seed=cfg.seed, lr=w.lr,
+                  grad_clip=cfg.optim.grad_clip, use_te=cfg.fp8.use_te)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1 + actor.dp_rank)
     log_every = max(1, w.steps // 10)
     for s in range(w.steps):
