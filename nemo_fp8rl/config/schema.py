@@ -25,7 +25,8 @@ class Fp8Config:
     recipe: Optional[str] = None
     """delayed | tensorwise | rowwise | blockwise | mxfp8 (or a Megatron-Bridge alias); null = FP8 off."""
     fp8_format: Optional[str] = None
-    """e4m3 | hybrid; null = the recipe's default (hybrid for delayed/tensorwise, e4m3 otherwise)."""
+    """e4m3 | hybrid | e5m2 (emulation-only stress setting); null = the recipe's default (hybrid for
+    delayed/tensorwise, e4m3 otherwise)."""
     pow2_scales: Optional[bool] = None
     """Power-of-two scales; null = the recipe's default."""
     amax_history_len: int = 1

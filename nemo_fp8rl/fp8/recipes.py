@@ -47,7 +47,8 @@ class Fp8Recipe:
     scaling: str
     """One of delayed, tensorwise, rowwise, blockwise, mxfp8."""
     fp8_format: str = "hybrid"
-    """e4m3 (every tensor) or hybrid (E4M3 forward, E5M2 output gradients)."""
+    """e4m3 (every tensor), hybrid (E4M3 forward, E5M2 output gradients), or e5m2 (every tensor;
+    emulation only: a stress setting with 4x coarser activations, used to provoke FP8 instability)."""
     pow2_scales: bool = False
     """Round scales down to powers of two (blockwise default True: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0)."""
     amax_history_len: int = 1
@@ -88,8 +89,10 @@ class Fp8Recipe:
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"fp8 recipe {self.name!r}: scaling={self.scaling!r}; valid: {list(SCALINGS)}")
-        if self.fp8_format not in ("e4m3", "hybrid"):
-            raise ValueError(f"fp8 recipe {self.name!r}: fp8_format={self.fp8_format!r}; use 'e4m3' or 'hybrid'")
+        if self.fp8_format not in ("e4m3", "hybrid", "e5m2"):
+            raise ValueError(
+                f"fp8 recipe {self.name!r}: fp8_format={self.fp8_format!r}; use 'e4m3', 'hybrid' or 'e5m2'"
+            )
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
                 f"fp8 recipe {self.name!r}: amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'"
@@ -113,7 +116,9 @@ class Fp8Recipe:
         """FP8 format of an operand role (``input``, ``weight``, ``grad_output``)."""
         if role not in ROLES:
             raise ValueError(f"unknown FP8 operand role {role!r}; valid: {list(ROLES)}")
-        return E5M2 if (role == "grad_output" and self.fp8_format == "hybrid") else E4M3
+        if self.fp8_format == "e5m2" or (role == "grad_output" and self.fp8_format == "hybrid"):
+            return E5M2
+        return E4M3
 
     def granularity_for(self, role: str):
         """Grouping of an operand for :func:`nemo_fp8rl.fp8.quantize.quantize` (along its reduction dim)."""
@@ -141,6 +146,11 @@ class Fp8Recipe:
         Megatron turns them into a Transformer Engine recipe (``megatron.core.fp8_utils.get_fp8_recipe``).
         ``rowwise`` has no TE recipe and raises.
         """
+        if self.fp8_format == "e5m2":
+            raise ValueError(
+                "fp8_format=e5m2 (E5M2 activations and weights) is an emulation-only stress setting; "
+                "Megatron/TE accept fp8 formats e4m3 and hybrid"
+            )
         if self.scaling == "rowwise":
             raise ValueError(
                 "fp8 recipe 'rowwise' has no Transformer Engine/Megatron equivalent (it is torchao's recipe); "

@@ -65,6 +65,10 @@ def test_formats_per_role():
     r = get_recipe("tensorwise")
     assert r.format_for("input") is E4M3 and r.format_for("grad_output") is E5M2
     assert get_recipe("tensorwise", fp8_format="e4m3").format_for("grad_output") is E4M3
+    all_e5m2 = get_recipe("tensorwise", fp8_format="e5m2")
+    assert all_e5m2.format_for("input") is E5M2 and all_e5m2.format_for("weight") is E5M2
+    with pytest.raises(ValueError, match="emulation-only"):
+        all_e5m2.to_megatron_kwargs()
 
 
 @pytest.mark.parametrize("name", RECIPES)
