@@ -1,0 +1,150 @@
+"""The paper in miniature: arms x FP8 recipes x algorithms x seeds, plus Calibrated Clipping ablations.
+
+Every run is the real CLI (``python -m nemo_fp8rl.train``) on the built-in arithmetic task with the tiny
+model, FP8 in training and rollout, old log-probs from the rollout engine (the demo's setting, where
+the FP8 ratio noise is visible at this scale). Runs go to ``<out>/<group>/<name>/``; a run whose
+``metrics.jsonl`` already has all its steps is skipped, so the study can be resumed. ``--jobs`` runs
+execute side by side (one torch thread each). Afterwards ``summarize.py`` writes ``docs/results.md``.
+
+    python benchmarks/study/run_study.py --out runs/study --steps 100 --jobs 2            # everything
+    python benchmarks/study/run_study.py --only main --recipes tensorwise --seeds 1         # a slice
+    python benchmarks/study/run_study.py --list                                             # the plan
+
+Groups:
+* ``main``: arms bf16 / fp8 (fixed clip, calibration measured only) / fp8_calibrated, for recipes
+  tensorwise, rowwise, blockwise, mxfp8 and algorithms grpo, dapo (bf16 runs once per algorithm/seed);
+* ``ablation``: fp8_calibrated with grpo + tensorwise, one override each: calibration.interval
+  5/10/40, calibration.upper_mode quantile/proportional/fixed, calibration.ema 0/0.9, and
+  algorithm.rollout_correction none (the defaults interval 20, balance, ema 0.5, tis are the main runs);
+* ``stress``: conditions that push FP8 harder (E5M2 activations, a 3x larger learning rate, fast
+  accumulation), each for the three arms, to look for entropy surges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ARMS = {
+    "bf16": ["fp8=off", "calibration=off"],
+    "fp8": ["calibration=measure"],
+    "fp8_calibrated": ["calibration=paper"],
+}
+RECIPES = ["tensorwise", "rowwise", "blockwise", "mxfp8"]
+ALGOS = ["grpo", "dapo"]
+COMMON = ["algorithm.old_logprobs=rollout", "logger.progress=lines", "logger.tensorboard=false"]
+ABLATIONS = {
+    "interval5": ["calibration.interval=5"],
+    "interval10": ["calibration.interval=10"],
+    "interval40": ["calibration.interval=40"],
+    "upper_quantile": ["calibration.upper_mode=quantile"],
+    "upper_proportional": ["calibration.upper_mode=proportional"],
+    "upper_fixed": ["calibration.upper_mode=fixed"],
+    "ema0": ["calibration.ema=0.0"],
+    "ema0.9": ["calibration.ema=0.9"],
+    "rc_none": ["algorithm.rollout_correction=none"],
+}
+STRESS = {
+    "e5m2": ["fp8.fp8_format=e5m2"],
+    "lr3e-4": ["optim.lr=3e-4"],
+    "fast_accum": ["fp8.accumulation=fast"],
+}
+
+
+def plan(args) -> list[dict]:
+    runs = []
+    seeds = [int(s) for s in args.seeds.split(",")]
+    recipes = args.recipes.split(",")
+    algos = args.algos.split(",")
+    for seed in seeds:
+        for algo in algos:
+            runs.append(dict(group="main", name=f"{algo}/bf16/seed{seed}", seed=seed,
+                             overrides=[f"algorithm={algo}", *ARMS["bf16"]]))
+            for recipe in recipes:
+                for arm in ("fp8", "fp8_calibrated"):
+                    runs.append(dict(group="main", name=f"{algo}/{recipe}/{arm}/seed{seed}", seed=seed,
+                                     overrides=[f"algorithm={algo}", f"fp8={recipe}", *ARMS[arm]]))
+        for abl, extra in ABLATIONS.items():
+            runs.append(dict(group="ablation", name=f"{abl}/seed{seed}", seed=seed,
+                             overrides=["algorithm=grpo", "fp8=tensorwise", *ARMS["fp8_calibrated"], *extra]))
+    for cond, extra in STRESS.items():
+        for arm in ARMS:
+            if arm == "bf16" and cond != "lr3e-4":
+                continue  # E5M2 / fast accumulation do not exist in high precision: bf16 is the main run
+            base = ARMS[arm] if arm == "bf16" else ["fp8=tensorwise", *ARMS[arm]]
+            runs.append(dict(group="stress", name=f"{cond}/{arm}/seed1", seed=1,
+                             overrides=["algorithm=grpo", *base, *extra]))
+    if args.only:
+        runs = [r for r in runs if r["group"] in args.only.split(",")]
+    return runs
+
+
+def done(run_dir: Path, steps: int) -> bool:
+    m = run_dir / "metrics.jsonl"
+    return m.is_file() and sum(1 for _ in m.open()) >= steps
+
+
+def execute(run: dict, out: Path, steps: int, log_dir: Path) -> tuple[str, int, float]:
+    run_dir = out / run["group"] / run["name"]
+    if done(run_dir, steps):
+        return run["name"], 0, 0.0
+    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *run["overrides"], *COMMON, f"seed={run['seed']}",
+           f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={max(steps // 2, 1)}",
+           f"output_dir={run_dir}", f"warmup.cache_dir={out / '.warmup_cache'}", "resume=true"]
+    log = log_dir / (run["group"] + "__" + run["name"].replace("/", "__") + ".log")
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run["name"], rc, time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/study")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--algos", default=",".join(ALGOS))
+    ap.add_argument("--only", default="", help="comma-separated groups: main, ablation, stress")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    runs = plan(args)
+    out = Path(args.out)
+    if args.list:
+        for r in runs:
+            print(r["group"], r["name"], " ".join(r["overrides"]))
+        print(f"{len(runs)} runs")
+        return
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (out / "study.json").write_text(json.dumps({"steps": args.steps, "runs": runs, "common": COMMON}, indent=1))
+    # warm-ups first, one per seed (cached, shared by every run of that seed), so parallel jobs never
+    # compute the same warm-up twice
+    seeds = sorted({r["seed"] for r in runs})
+    firsts = [next(r for r in runs if r["seed"] == s) for s in seeds]
+    t0 = time.time()
+    failures = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for name, rc, sec in pool.map(lambda r: execute(r, out, args.steps, log_dir), firsts):
+            print(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s", flush=True)
+            failures += [name] if rc else []
+        rest = [r for r in runs if r not in firsts]
+        for name, rc, sec in pool.map(lambda r: execute(r, out, args.steps, log_dir), rest):
+            print(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s", flush=True)
+            failures += [name] if rc else []
+    print(f"study finished in {time.time() - t0:.0f}s; {len(runs) - len(failures)}/{len(runs)} runs ok")
+    if failures:
+        sys.exit(f"failed runs: {failures} (logs in {log_dir})")
+
+
+if __name__ == "__main__":
+    main()
