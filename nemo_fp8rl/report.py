@@ -28,7 +28,7 @@ SUMMARY_KEYS = [
     ("calib/alpha_fp8_nominal", "alpha fp8 nominal"),
     ("calib/false_clip_rate", "false clip rate"),
     ("rollout/invalid_frac", "invalid frac"),
-    ("mismatch/logp_abs_diff_mean", "rollout-trainer |dlogp|"),
+    ("mismatch/logp_abs_diff_mean", "rollout-trainer mean abs dlogp"),
     ("timing/step", "step s"),
 ]
 
