@@ -122,7 +122,7 @@ def part_throughput(out: Path, dry: bool, layers: int, repeats: int, seq: int, m
                 shadow = _time_steps(lambda: actor.get_shadow_logprobs(tokens), repeats)
                 res["shadow_forward_s"] = shadow
                 res["shadow_over_step"] = shadow / res["median_s"][name]
-            del actor
+            actor = None  # free the GPU memory before the next recipe
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001
             res["errors"][name] = f"{type(e).__name__}: {e}"

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist

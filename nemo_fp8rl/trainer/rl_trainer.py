@@ -331,6 +331,8 @@ class RLTrainer:
             "rollout/eos_frac": make_metric(batch.finished.float().mean(), "mean"),
         }
         local.update(ds_metrics)
+        if hasattr(self.task, "skipped_rows"):  # data.on_error=skip: malformed rows seen so far
+            local["data/skipped_rows"] = make_metric(torch.tensor(float(self.task.skipped_rows)), "sum")
         local.update(rc_metrics)
         if a.old_logprobs == "recompute":
             local.update(mismatch_metrics(old_logp, batch.rollout_logp.float() * mask, mask, hp_old_logp=hp_old))
