@@ -39,6 +39,15 @@ def compose_train_config(overrides: List[str]):
 
     from nemo_fp8rl.train import CONF_DIR, register_schema
 
+    conf = Path(CONF_DIR)
+    groups = sorted(p.name for p in conf.iterdir() if p.is_dir())
+    for item in overrides:
+        group, _, name = item.partition("=")
+        if group not in groups:
+            raise ValueError(f"{group}: conf/ has no config group {group!r}; groups: {groups}")
+        if not (conf / group / f"{name}.yaml").is_file():
+            options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
+            raise ValueError(f"{group}={name}: there is no conf/{group}/{name}.yaml; choose one of {options}")
     register_schema()
     outer = GlobalHydra.instance()
     outer_hydra = outer.hydra
@@ -61,13 +70,13 @@ def plan_stages(cfg, choices: Mapping[str, str]):
 def compose_launcher_config(overrides: List[str]) -> Tuple[object, Dict[str, str]]:
     """The launcher config for ``overrides`` without running the app: ``(cfg, config-group choices)``."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     with initialize_config_dir(config_dir=str(LAUNCHER_CONF_DIR), version_base=None, job_name="launch"):
         full = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
     choices = {k: v for k, v in OmegaConf.to_container(full.hydra.runtime.choices).items()
                if v is not None and not k.startswith("hydra")}
-    with OmegaConf.open_dict(full):
+    with open_dict(full):
         del full["hydra"]
     return full, choices
 

@@ -352,13 +352,14 @@ def _train_config(raw: dict, stage: str, where: str, results_dir: Path,
         base = compose_train([f"{g}={v}" for g, v in groups.items()])
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors have no common base class
         msg = str(e).strip().replace("\n\n", "\n").replace("\n", "; ")
-        raise LaunchError(f"{stage}.config_groups ({where}): {msg}") from None
+        raise LaunchError(f"{stage}.config_groups.{msg} ({where})") from None
     try:
         merged = OmegaConf.merge(base, overrides)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
+        first = str(e).strip().splitlines()[0]  # OmegaConf appends full_key/object_type lines
         raise LaunchError(
-            f"{stage}.{key} ({where}): {getattr(e, 'msg', None) or e}; the training keys and their types are in "
+            f"{stage}.{key} ({where} or the command line): {first}; the training keys and their types are in "
             "nemo_fp8rl/config/schema.py (TrainConfig)"
         ) from None
     merged.output_dir = str(results_dir)
@@ -366,8 +367,16 @@ def _train_config(raw: dict, stage: str, where: str, results_dir: Path,
     try:
         return validate(OmegaConf.to_object(merged))
     except (ConfigError, OmegaConfBaseException) as e:
-        raise LaunchError(f"{stage}: the training config from {where} is invalid: {e} (set it as {stage}.<key> "
-                          "in the stage config or on the command line)") from None
+        raise LaunchError(f"invalid training config of {where} (with the command-line overrides): "
+                          f"{_scoped(str(e), stage)}") from None
+
+
+def _scoped(msg: str, stage: str) -> str:
+    """Name training keys as the launcher sees them: ``algorithm.eps_low`` -> ``rl.algorithm.eps_low``."""
+    from nemo_fp8rl.config.schema import TrainConfig
+
+    sections = "|".join(f.name for f in fields(TrainConfig))
+    return re.sub(rf"(?<![\w.])({sections})\.(?=[A-Za-z_])", rf"{stage}.\1.", msg)
 
 
 def _check_layout(run: RunSettings, train, stage: str, cluster_type: str) -> None:
@@ -379,9 +388,7 @@ def _check_layout(run: RunSettings, train, stage: str, cluster_type: str) -> Non
     try:
         validate_layout(train.parallel, world, train.model)
     except ValueError as e:
-        # name the keys as the launcher sees them (rl.parallel.*, rl.model.*)
-        msg = re.sub(r"(?<![\w.])(parallel|model)\.", rf"{stage}.\1.", str(e))
-        raise LaunchError(f"{shape}, but {msg}") from None
+        raise LaunchError(f"{shape}, but {_scoped(str(e), stage)}") from None
     tp, pp = train.parallel.tensor_model_parallel_size, train.parallel.pipeline_model_parallel_size
     dp = world // (tp * pp)
     prompts = train.algorithm.prompts_per_step

@@ -332,7 +332,7 @@ class RLTrainer:
         }
         local.update(ds_metrics)
         if hasattr(self.task, "skipped_rows"):  # data.on_error=skip: malformed rows seen so far
-            local["data/skipped_rows"] = make_metric(torch.tensor(float(self.task.skipped_rows)), "sum")
+            local["data/skipped_rows"] = make_metric(torch.tensor(float(self.task.skipped_rows)), "max")  # same file on every rank
         local.update(rc_metrics)
         if a.old_logprobs == "recompute":
             local.update(mismatch_metrics(old_logp, batch.rollout_logp.float() * mask, mask, hp_old_logp=hp_old))
