@@ -6,6 +6,9 @@ PIP := $(VENV)/bin/pip
 # torch is installed explicitly first so pip never resolves a multi-GB CUDA build on CPU machines.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# As root (CI containers), `make test` first starts a one-node SLURM cluster for the `slurm`-marked tests
+# (scripts/slurm_local.sh; best effort: if it cannot start, those tests skip with the reason). SLURM=0 skips it.
+SLURM ?= 1
 
 .PHONY: venv install install-test demo test lint clean
 
@@ -21,6 +24,8 @@ demo: install
 	$(PY) -m nemo_fp8rl.demo
 
 test: install
+	@if [ "$(SLURM)" = 1 ] && [ "$$(id -u)" = 0 ]; then timeout 600 scripts/slurm_local.sh || \
+		echo "make test: the local SLURM cluster did not start; the slurm tests will be skipped"; fi
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install

@@ -94,9 +94,10 @@ def launch(plans, *, out=print) -> int:
     for plan in plans:
         paths = write_stage(plan)
         out(f"{_PROG}: {plan.describe()}")
-        out(f"  results:          {plan.results_dir}")
-        out(f"  training config:  {paths['train_config']}")
-        out(f"  {'submission' if plan.cluster_type == 'slurm' else 'local run'} script: {paths['script']}")
+        out(f"  results dir:       {plan.results_dir}")
+        out(f"  training config:   {paths['train_config']}")
+        label = "submission script:" if plan.cluster_type == "slurm" else "local script:"
+        out(f"  {label:<19}{paths['script']}")
         if plan.dry_run:
             how = "sbatch" if plan.cluster_type == "slurm" else "bash"
             out(f"  dry run: nothing was started; start it with: {how} {paths['script']}")
@@ -107,7 +108,7 @@ def launch(plans, *, out=print) -> int:
             except SubmitError as e:
                 print(f"{_PROG}: {e}", file=sys.stderr)
                 return 1
-            out(f"  logs:             {plan.log_path('out')} / .err (%j = {job_id})")
+            out(f"  logs:              {plan.log_path('out')} and .err (%j = {job_id})")
             out(f"Submitted batch job {job_id}")
         else:
             if plan.container:

@@ -1,0 +1,166 @@
+"""The generated files against expected lines (no SLURM needed): sorted #SBATCH lines, exports, one srun,
+the requeue decision; the resolved training config loads in the trainer's Hydra app unchanged."""
+
+import shlex
+import subprocess
+import sys
+
+from ._launch import GPU_REQUIRED, launch_cli, plans
+
+
+def _sbatch_block(text: str) -> list[str]:
+    lines = text.splitlines()
+    idx = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
+    assert idx == list(range(idx[0], idx[-1] + 1)), "the #SBATCH lines must form one block before any command"
+    assert all(not line.strip() or line.startswith("#") for line in lines[:idx[0]])
+    return [lines[i] for i in idx]
+
+
+def _srun(text: str) -> list[str]:
+    """The srun command of the script as tokens (continuation lines joined)."""
+    joined = text.replace("\\\n", " ")
+    (line,) = [ln for ln in joined.splitlines() if ln.startswith("srun ")]
+    assert line.endswith(" &")
+    return shlex.split(line[:-2])
+
+
+def test_tiny_cpu_stage_script(tmp_path):
+    from nemo_fp8rl.launcher import render_sbatch_script
+
+    (plan,) = plans("rl=tiny_grpo_blockwise", f"base_results_dir={tmp_path}")
+    d = tmp_path / "tiny_grpo_blockwise"
+    text = render_sbatch_script(plan)
+    assert text.startswith("#!/bin/bash\n")
+    assert _sbatch_block(text) == [
+        "#SBATCH --dependency=singleton",
+        f"#SBATCH --error={d}/log-nemo-fp8rl-tiny_grpo_blockwise_%j.err",
+        "#SBATCH --exclusive",
+        "#SBATCH --job-name=nemo-fp8rl-tiny_grpo_blockwise",
+        "#SBATCH --mem=0",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=2",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={d}/log-nemo-fp8rl-tiny_grpo_blockwise_%j.out",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR1@60",
+        "#SBATCH --time=00:30:00",
+    ]  # a CPU stage: no --gpus-per-node line; no partition/account when the cluster config has none
+    lines = text.splitlines()
+    for expected in (
+        'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        "export PYTHONUNBUFFERED=1",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "export TORCH_NCCL_AVOID_RECORD_STREAMS=1",
+        f"OUTPUT_DIR={d}",
+        "MAX_STEPS=100",
+        '    if scontrol requeue "$SLURM_JOB_ID"; then',
+    ):
+        assert expected in lines, expected
+    assert _srun(text) == [
+        "srun", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks-per-node=2",
+        sys.executable, "-u", "-m", "nemo_fp8rl.train", f"--config-path={d}",
+        "--config-name=nemo-fp8rl-tiny_grpo_blockwise_train_config",
+    ]
+    commands = [ln for ln in lines if not ln.lstrip().startswith("#")]
+    assert sum(ln.startswith("srun ") for ln in commands) == 1
+    assert not any("torchrun" in ln or "torch.distributed.run" in ln for ln in commands)  # ranks come from SLURM's variables
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_gpu_stage_script_with_cluster_settings_and_container(tmp_path):
+    from nemo_fp8rl.launcher import render_sbatch_script
+
+    (plan,) = plans(
+        "rl=qwen2_5_32b_dapo_blockwise", f"base_results_dir={tmp_path}", *GPU_REQUIRED,
+        "cluster.partition=batch", "cluster.account=llm_rl", 'cluster.nodelist="node[01-04]"',
+        'container="nvcr.io#nvidia/nemo:25.07"', "container_mounts=[/lustre/models:/models]",
+        'cluster.srun_args=["--mpi=pmix", "--cpu-bind none"]', "rl.run.dependency=afterok:1234",
+        "+env_vars.NCCL_DEBUG=WARN", "env_vars.TORCH_NCCL_AVOID_RECORD_STREAMS=null",
+    )
+    d = tmp_path / "qwen2_5_32b_dapo_blockwise"
+    job = "nemo-fp8rl-qwen2_5_32b_dapo_blockwise"
+    text = render_sbatch_script(plan)
+    assert _sbatch_block(text) == [
+        "#SBATCH --account=llm_rl",
+        "#SBATCH --dependency=afterok:1234",
+        f"#SBATCH --error={d}/log-{job}_%j.err",
+        "#SBATCH --exclusive",
+        "#SBATCH --gpus-per-node=8",
+        f"#SBATCH --job-name={job}",
+        "#SBATCH --mem=0",
+        "#SBATCH --nodelist=node[01-04]",
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={d}/log-{job}_%j.out",
+        "#SBATCH --partition=batch",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR1@900",
+        "#SBATCH --time=04:00:00",
+    ]
+    assert _srun(text) == [
+        "srun", "--kill-on-bad-exit=1", "--nodes=4", "--ntasks-per-node=8",
+        "--container-image=nvcr.io#nvidia/nemo:25.07",
+        f"--container-mounts=/lustre/models:/models,{tmp_path}:{tmp_path}", "--no-container-mount-home",
+        "--mpi=pmix", "--cpu-bind", "none",
+        "python", "-u", "-m", "nemo_fp8rl.train", f"--config-path={d}", f"--config-name={job}_train_config",
+    ]
+    exports = [ln for ln in text.splitlines() if ln.startswith("export ")]
+    assert exports[2:] == ["export PYTHONUNBUFFERED=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+                           "export NCCL_DEBUG=WARN"]  # null values are skipped
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_resolved_training_config_is_what_the_trainer_loads(tmp_path):
+    """The written <job>_train_config.yaml, composed by Hydra as nemo-fp8rl-train does, gives back the plan."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from nemo_fp8rl.config.schema import validate
+    from nemo_fp8rl.launcher import write_stage
+    from nemo_fp8rl.train import register_schema
+
+    (plan,) = plans("rl=qwen3_8b_grpo_blockwise", f"base_results_dir={tmp_path}", *GPU_REQUIRED,
+                    "rl.trainer.max_steps=123", "+rl.algorithm.eps_high=0.25", "launcher.dry_run=true")
+    paths = write_stage(plan)
+    assert paths["train_config"] == plan.train_config_path and paths["script"] == plan.submission_script_path
+    assert plan.submission_script_path.stat().st_mode & 0o111  # executable
+    register_schema()
+    with initialize_config_dir(config_dir=str(plan.results_dir), version_base=None, job_name="train"):
+        hydra_cfg = compose(config_name=plan.train_config_name, return_hydra_config=True).hydra
+        cfg = compose(config_name=plan.train_config_name)
+    assert hydra_cfg.run.dir == str(plan.results_dir) and hydra_cfg.output_subdir is None
+    loaded = validate(OmegaConf.to_object(cfg))
+    assert loaded == plan.train
+    assert (loaded.trainer.max_steps, loaded.algorithm.eps_high, loaded.resume) == (123, 0.25, True)
+    assert loaded.output_dir == str(plan.results_dir)
+
+
+def test_local_script_runs_the_same_command_under_torchrun(tmp_path):
+    from nemo_fp8rl.launcher import render_local_script
+
+    (plan,) = plans("rl=tiny_grpo_bf16", f"base_results_dir={tmp_path}", "cluster_type=local")
+    d = tmp_path / "tiny_grpo_bf16"
+    text = render_local_script(plan)
+    (exec_line,) = [ln for ln in text.splitlines() if ln.startswith("exec ")]
+    assert shlex.split(exec_line)[1:] == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+        "-m", "nemo_fp8rl.train", f"--config-path={d}", "--config-name=nemo-fp8rl-tiny_grpo_bf16_train_config",
+    ]
+    assert "export PYTHONUNBUFFERED=1" in text.splitlines() and "#SBATCH" not in text
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_dry_run_writes_and_submits_nothing(tmp_path):
+    proc = launch_cli(f"base_results_dir={tmp_path}", "rl=qwen3_8b_grpo_bf16", *GPU_REQUIRED, "launcher.dry_run=true",
+                      console_script=True)  # the installed entry point
+    assert proc.returncode == 0, proc.stderr
+    d = tmp_path / "qwen3_8b_grpo_bf16"
+    job = "nemo-fp8rl-qwen3_8b_grpo_bf16"
+    assert sorted(p.name for p in d.iterdir()) == [f"{job}_submission.sh", f"{job}_train_config.yaml"]
+    out = proc.stdout
+    assert "rl/qwen3_8b_grpo_bf16 -> job nemo-fp8rl-qwen3_8b_grpo_bf16: 1 node x 8 tasks = 8 ranks " \
+           "(TP=4 x PP=1 x DP=2), 8 GPUs/node" in out
+    assert f"dry run: nothing was started; start it with: sbatch {d}/{job}_submission.sh" in out
+    assert "Submitted batch job" not in out
