@@ -105,3 +105,24 @@ def test_usr1_checkpoints_requeues_and_resumes(tmp_path, warm_cache):
     assert sorted(p.name for p in (d / "checkpoints").glob("step_*")) == sorted([f"step_{stop}", f"step_{max_steps}"])
     assert (d / "checkpoints" / "latest").read_text().strip() == f"step_{max_steps}"
     assert metrics_steps(d) == list(range(max_steps))
+
+
+def test_plain_scancel_checkpoints_and_does_not_requeue(tmp_path, warm_cache):
+    name = f"t_cancel_{os.getpid()}"
+    jid, d = _submit(tmp_path, name, warm_cache, "rl.trainer.max_steps=500", "rl.trainer.checkpoint_interval=0")
+    metrics = d / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert _job(jid)["JobState"] in ("PENDING", "RUNNING") and time.monotonic() < deadline, _logs(d)
+        time.sleep(0.2)
+    subprocess.run(["scancel", jid], check=True, timeout=30)  # SIGTERM to the batch shell and every task
+    while "nemo-fp8rl: job ended by SLURM" not in _logs(d):  # the tasks checkpoint within KillWait
+        assert time.monotonic() < deadline, _logs(d)
+        time.sleep(0.3)
+    time.sleep(3)  # a requeue, if there were one, would show by now
+    info = _job(jid)
+    logs = _logs(d)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), (info, logs)
+    m = re.search(r"checkpoint saved at step (\d+) after signal", logs)
+    assert m and (d / "checkpoints" / "latest").read_text().strip() == f"step_{m.group(1)}", logs
+    assert "batch shell got SIGTERM" in logs and "requeueing" not in logs
