@@ -20,15 +20,15 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
 
 LAUNCHERS_DIR = Path(__file__).resolve().parent.parent / "launchers"
 LAUNCHER_CONF_DIR = LAUNCHERS_DIR / "conf"
 _PROG = "nemo-fp8rl-launch"
 
 
-def compose_train_config(overrides: List[str]):
+def compose_train_config(overrides: list[str]):
     """Compose the trainer's ``conf/config.yaml`` with config-group overrides (e.g. ``["fp8=blockwise"]``).
 
     Works inside a running Hydra app (the launcher's own): Hydra's global state is set aside for the
@@ -67,7 +67,7 @@ def plan_stages(cfg, choices: Mapping[str, str]):
     return build_plans(cfg, compose_train=compose_train_config, choices=choices, launcher_dir=LAUNCHERS_DIR)
 
 
-def compose_launcher_config(overrides: List[str]) -> Tuple[object, Dict[str, str]]:
+def compose_launcher_config(overrides: list[str]) -> tuple[object, dict[str, str]]:
     """The launcher config for ``overrides`` without running the app: ``(cfg, config-group choices)``."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf, open_dict
@@ -81,7 +81,7 @@ def compose_launcher_config(overrides: List[str]) -> Tuple[object, Dict[str, str
     return full, choices
 
 
-def plans_from_overrides(overrides: List[str]):
+def plans_from_overrides(overrides: list[str]):
     """Library entry point: the checked stage plans for a list of launcher overrides."""
     cfg, choices = compose_launcher_config(overrides)
     return plan_stages(cfg, choices)
@@ -120,7 +120,7 @@ def launch(plans, *, out=print) -> int:
     return 0
 
 
-def _unknown_group_choice(argv: List[str]) -> Optional[str]:
+def _unknown_group_choice(argv: list[str]) -> str | None:
     """``rl=<name>``/``cluster=<name>`` naming no file: one clear message before Hydra composes anything."""
     groups = sorted(p.name for p in LAUNCHER_CONF_DIR.iterdir() if p.is_dir())
     for arg in argv:

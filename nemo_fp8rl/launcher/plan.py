@@ -18,12 +18,13 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any
 
 #: Stages the launcher knows: name -> what it runs. A stage's config group has the same name.
-STAGES: Dict[str, str] = {
+STAGES: dict[str, str] = {
     "rl": "RL training with nemo_fp8rl.train (configs: launchers/conf/rl/<model>_<algo>_<fp8>.yaml)",
 }
 #: ``slurm``: write a submission script and sbatch it; ``local``: torchrun on this machine.
@@ -51,21 +52,21 @@ class LaunchError(ValueError):
 class ClusterSettings:
     """``launchers/conf/cluster/slurm.yaml``: how jobs are placed on the cluster."""
 
-    partition: Optional[str] = None
+    partition: str | None = None
     """--partition; null = the cluster's default partition."""
-    account: Optional[str] = None
+    account: str | None = None
     """--account; null = the user's default account."""
     exclusive: bool = False
     """--exclusive: whole nodes."""
-    gpus_per_node: Optional[int] = None
+    gpus_per_node: int | None = None
     """GPUs of a node; GPU stages take theirs from here (``run.gpus_per_node: ${cluster.gpus_per_node}``)."""
-    mem: Optional[str] = None
+    mem: str | None = None
     """--mem per node ("0" = all of it); null = no --mem line."""
     job_name_prefix: str = ""
     """Job name = prefix + run.name."""
-    nodelist: Optional[str] = None
+    nodelist: str | None = None
     """--nodelist; null = any nodes."""
-    srun_args: Tuple[str, ...] = ()
+    srun_args: tuple[str, ...] = ()
     """Extra srun arguments, e.g. ``--mpi=pmix``."""
 
 
@@ -88,7 +89,7 @@ class RunSettings:
     signal_time: int = 120
     """Seconds before time_limit at which every task gets SIGUSR1 (--signal=USR1@<s>): finish the step,
     checkpoint, requeue. Must exceed one training step plus one checkpoint write."""
-    dependency: Optional[str] = None
+    dependency: str | None = None
     """--dependency (e.g. singleton, afterok:<id>); null = none."""
     gpus_per_node: int = 0
     """GPUs used per node; 0 = CPU job (no --gpus-per-node line)."""
@@ -103,9 +104,9 @@ class StagePlan:
     cluster_type: str
     run: RunSettings
     cluster: ClusterSettings
-    container: Optional[str]
-    container_mounts: Tuple[str, ...]
-    env_vars: Tuple[Tuple[str, str], ...]
+    container: str | None
+    container_mounts: tuple[str, ...]
+    env_vars: tuple[tuple[str, str], ...]
     python: str
     dry_run: bool
     train: Any = field(repr=False)  # nemo_fp8rl.config.schema.TrainConfig (validated)
@@ -204,7 +205,7 @@ def _int(value: Any, key: str, minimum: int) -> int:
     return value
 
 
-def _opt_str(value: Any, key: str) -> Optional[str]:
+def _opt_str(value: Any, key: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -333,7 +334,7 @@ def _run(raw: Any, stage: str, where: str) -> RunSettings:
 
 
 def _train_config(raw: dict, stage: str, where: str, results_dir: Path,
-                  compose_train: Callable[[List[str]], Any]):
+                  compose_train: Callable[[list[str]], Any]):
     """Compose the stage's training config and validate it as ``nemo-fp8rl-train`` will."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -405,8 +406,8 @@ def _check_layout(run: RunSettings, train, stage: str, cluster_type: str) -> Non
         )
 
 
-def build_plans(cfg, *, compose_train: Callable[[List[str]], Any], choices: Mapping[str, str],
-                launcher_dir: Path) -> List[StagePlan]:
+def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapping[str, str],
+                launcher_dir: Path) -> list[StagePlan]:
     """Check the launcher config and build one :class:`StagePlan` per entry of ``stages``.
 
     Args:
@@ -510,5 +511,13 @@ def build_plans(cfg, *, compose_train: Callable[[List[str]], Any], choices: Mapp
     return plans
 
 
-__all__ = ["STAGES", "CLUSTER_TYPES", "LaunchError", "ClusterSettings", "RunSettings", "StagePlan",
-           "parse_time_limit", "build_plans"]
+__all__ = [
+    "CLUSTER_TYPES",
+    "STAGES",
+    "ClusterSettings",
+    "LaunchError",
+    "RunSettings",
+    "StagePlan",
+    "build_plans",
+    "parse_time_limit",
+]

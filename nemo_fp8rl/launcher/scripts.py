@@ -32,7 +32,6 @@ appends to the same log files (``--open-mode=append``) and the trainer, launched
 from __future__ import annotations
 
 import shlex
-from typing import List
 
 from nemo_fp8rl.launcher.plan import StagePlan
 
@@ -61,7 +60,7 @@ def render_train_config(plan: StagePlan) -> str:
     )
 
 
-def sbatch_directives(plan: StagePlan) -> List[str]:
+def sbatch_directives(plan: StagePlan) -> list[str]:
     """The ``#SBATCH`` lines, sorted. CPU stages (``run.gpus_per_node`` 0) get no ``--gpus-per-node``."""
     r, c = plan.run, plan.cluster
     opts = {
@@ -92,13 +91,13 @@ def sbatch_directives(plan: StagePlan) -> List[str]:
     return sorted(f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={v}" for k, v in opts.items())
 
 
-def train_command(plan: StagePlan) -> List[str]:
+def train_command(plan: StagePlan) -> list[str]:
     """The command every rank runs: the training CLI on the resolved config."""
     return [plan.python, "-u", "-m", "nemo_fp8rl.train", f"--config-path={plan.results_dir}",
             f"--config-name={plan.train_config_name}"]
 
 
-def srun_command(plan: StagePlan) -> List[str]:
+def srun_command(plan: StagePlan) -> list[str]:
     """One srun starting one task per rank (per GPU), in the container when one is set (pyxis)."""
     r = plan.run
     cmd = ["srun", "--kill-on-bad-exit=1", f"--nodes={r.nodes}", f"--ntasks-per-node={r.ntasks_per_node}"]
@@ -120,7 +119,7 @@ def _srun_lines(plan: StagePlan) -> str:
     return " \\\n    ".join(rows)
 
 
-def _exports(plan: StagePlan) -> List[str]:
+def _exports(plan: StagePlan) -> list[str]:
     return [f"export {k}={shlex.quote(v)}" for k, v in plan.env_vars]
 
 
@@ -149,16 +148,16 @@ def render_sbatch_script(plan: StagePlan) -> str:
         '    echo "${s:--1}"',
         "}",
         "START_STEP=$(latest_step)",
-        'echo "nemo-fp8rl: job $SLURM_JOB_ID run $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST,'
-        ' latest checkpoint step $START_STEP, $(date -Is)"',
+        ('echo "nemo-fp8rl: job $SLURM_JOB_ID run $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST,'
+         ' latest checkpoint step $START_STEP, $(date -Is)"'),
         "",
         "# Signals that reach the tasks (--signal, scancel --signal, preemption) make the trainer finish its",
         "# step, checkpoint and exit 0. One sent to this shell alone (scancel --batch) is passed on to srun,",
         "# which forwards it to the tasks. SIGTERM to this shell means SLURM itself is ending the job.",
         'SRUN_PID=""',
         "SHELL_TERM=0",
-        "trap 'echo \"nemo-fp8rl: batch shell got SIGUSR1, passing it to the tasks\"; "
-        "[ -n \"$SRUN_PID\" ] && kill -USR1 \"$SRUN_PID\" 2>/dev/null' USR1",
+        ("trap 'echo \"nemo-fp8rl: batch shell got SIGUSR1, passing it to the tasks\"; "
+         "[ -n \"$SRUN_PID\" ] && kill -USR1 \"$SRUN_PID\" 2>/dev/null' USR1"),
         "trap 'SHELL_TERM=1; echo \"nemo-fp8rl: batch shell got SIGTERM, waiting for the tasks to checkpoint\"' TERM",
         "",
         _srun_lines(plan) + " &",
@@ -178,8 +177,8 @@ def render_sbatch_script(plan: StagePlan) -> str:
         '    exit "$RC"',
         "fi",
         'if { [ "$RC" -eq 0 ] && [ "$STEP" -gt "$START_STEP" ]; } || [ "$RC" -eq 138 ] || [ "$RC" -eq 143 ]; then',
-        '    echo "nemo-fp8rl: stopped by a signal at step $STEP of $MAX_STEPS (srun exit code $RC); requeueing job'
-        ' $SLURM_JOB_ID"',
+        ('    echo "nemo-fp8rl: stopped by a signal at step $STEP of $MAX_STEPS (srun exit code $RC); requeueing job'
+         ' $SLURM_JOB_ID"'),
         '    if scontrol requeue "$SLURM_JOB_ID"; then',
         "        exit 0",
         "    fi",
@@ -197,7 +196,7 @@ def render_sbatch_script(plan: StagePlan) -> str:
     return "\n".join(lines)
 
 
-def local_command(plan: StagePlan) -> List[str]:
+def local_command(plan: StagePlan) -> list[str]:
     """torchrun (``python -m torch.distributed.run``) with every rank of the job on this machine."""
     # torchrun starts each rank as "<its own python> -u -m nemo_fp8rl.train <args>"
     return [plan.python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
@@ -213,8 +212,8 @@ def render_local_script(plan: StagePlan) -> str:
     cmd = local_command(plan)
     return "\n".join([
         "#!/bin/bash",
-        f"# Local run of stage {plan.stage}/{plan.config_name}: {plan.world_size} ranks under torchrun on this "
-        f"machine (TP={plan.tp} x PP={plan.pp} x DP={plan.dp}).",
+        (f"# Local run of stage {plan.stage}/{plan.config_name}: {plan.world_size} ranks under torchrun on this "
+         f"machine (TP={plan.tp} x PP={plan.pp} x DP={plan.dp})."),
         f"# {_GENERATED}. Run again to continue from the latest checkpoint.",
         "set -euo pipefail",
         *_exports(plan),
@@ -223,5 +222,12 @@ def render_local_script(plan: StagePlan) -> str:
     ])
 
 
-__all__ = ["render_train_config", "sbatch_directives", "train_command", "srun_command", "render_sbatch_script",
-           "local_command", "render_local_script"]
+__all__ = [
+    "local_command",
+    "render_local_script",
+    "render_sbatch_script",
+    "render_train_config",
+    "sbatch_directives",
+    "srun_command",
+    "train_command",
+]

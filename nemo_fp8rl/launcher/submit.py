@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict
 
 from nemo_fp8rl.launcher.plan import StagePlan
 from nemo_fp8rl.launcher.scripts import render_local_script, render_sbatch_script, render_train_config
@@ -26,7 +25,7 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def write_stage(plan: StagePlan) -> Dict[str, Path]:
+def write_stage(plan: StagePlan) -> dict[str, Path]:
     """Write the resolved training config and the job script of ``plan`` into its results directory.
 
     Returns:
@@ -55,7 +54,8 @@ def submit(script: Path, *, cwd: Path) -> str:
             "with scripts/slurm_local.sh, write the files only with launcher.dry_run=true, or run here with "
             "cluster_type=local"
         )
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], cwd=str(cwd), capture_output=True, text=True)
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], cwd=str(cwd), capture_output=True, text=True,
+                          check=False)
     out = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not out or not _JOB_ID.match(out[-1].strip()):
         detail = (proc.stderr.strip() or proc.stdout.strip() or f"exit code {proc.returncode}")
@@ -65,7 +65,7 @@ def submit(script: Path, *, cwd: Path) -> str:
 
 def run_local(script: Path, *, cwd: Path) -> int:
     """Run the local torchrun script in the foreground (its output goes to this terminal)."""
-    return subprocess.run(["bash", str(script)], cwd=str(cwd)).returncode
+    return subprocess.run(["bash", str(script)], cwd=str(cwd), check=False).returncode
 
 
-__all__ = ["SubmitError", "write_stage", "submit", "run_local"]
+__all__ = ["SubmitError", "run_local", "submit", "write_stage"]

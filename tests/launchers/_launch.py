@@ -27,7 +27,7 @@ def launch_cli(*overrides: str, timeout: int = 300, console_script: bool = False
         cmd = [str(Path(sys.executable).parent / "nemo-fp8rl-launch")]
     else:
         cmd = [sys.executable, "-m", "nemo_fp8rl.launch"]
-    return subprocess.run([*cmd, *overrides], capture_output=True, text=True, timeout=timeout, cwd=str(REPO),
+    return subprocess.run([*cmd, *overrides], capture_output=True, text=True, timeout=timeout, cwd=str(REPO), check=False,
                           env=dict(os.environ, HYDRA_FULL_ERROR="0"))
 
 

@@ -19,7 +19,7 @@ def test_every_launcher_yaml_key_has_a_comment(path):
     lines = path.read_text().splitlines()
     for i, line in enumerate(lines):
         s = line.strip()
-        if not s or s.startswith("#") or s.startswith("- ") or ":" not in s:
+        if not s or s.startswith(("#", "- ")) or ":" not in s:
             continue
         prev = lines[i - 1].strip() if i else ""
         assert "#" in line.split(":", 1)[1] or prev.startswith("#"), f"{path.name}:{i + 1}: {s!r} has no comment"
