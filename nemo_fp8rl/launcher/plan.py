@@ -380,14 +380,29 @@ def _scoped(msg: str, stage: str) -> str:
     return re.sub(rf"(?<![\w.])({sections})\.(?=[A-Za-z_])", rf"{stage}.\1.", msg)
 
 
+def _model_shape(train, stage: str):
+    """The model shape the ranks will build: from ``model.hf_path``'s config.json when it is readable
+    here (as the trainer resolves it), else the configured preset."""
+    model = train.model
+    if not model.hf_path or not Path(model.hf_path).is_dir():
+        return model  # e.g. a path that exists only inside the container: the trainer checks it at start
+    from nemo_fp8rl.models.hf import resolve_model_config
+
+    try:
+        return resolve_model_config(model)
+    except (ValueError, OSError) as e:
+        raise LaunchError(f"{stage}.model.hf_path={model.hf_path!r}: {_scoped(str(e), stage)}") from None
+
+
 def _check_layout(run: RunSettings, train, stage: str, cluster_type: str) -> None:
     from nemo_fp8rl.models.parallel import validate_layout
 
     world = run.nodes * run.ntasks_per_node
     shape = (f"{stage}.run.nodes={run.nodes} x {stage}.run.ntasks_per_node={run.ntasks_per_node} = {world} "
              "processes")
+    model = _model_shape(train, stage)
     try:
-        validate_layout(train.parallel, world, train.model)
+        validate_layout(train.parallel, world, model)
     except ValueError as e:
         raise LaunchError(f"{shape}, but {_scoped(str(e), stage)}") from None
     tp, pp = train.parallel.tensor_model_parallel_size, train.parallel.pipeline_model_parallel_size

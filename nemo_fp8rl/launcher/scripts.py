@@ -43,12 +43,14 @@ def render_train_config(plan: StagePlan) -> str:
 
     It starts from the registered schema (``train_schema``), so ``nemo-fp8rl-train`` type-checks and
     validates it exactly as a config composed from ``conf/``; Hydra's own settings match the
-    trainer's ``conf/config.yaml`` (the run directory is ``output_dir``, no ``.hydra/`` folder).
+    trainer's ``conf/config.yaml`` (the run directory is ``output_dir``, no ``.hydra/`` folder, console
+    logging only).
     """
     from omegaconf import OmegaConf
 
     head = OmegaConf.create({
-        "defaults": ["train_schema", "_self_"],
+        # Hydra logs to the console only; the trainer writes <output_dir>/train.log itself
+        "defaults": ["train_schema", {"override hydra/job_logging": "stdout"}, "_self_"],
         "hydra": {"output_subdir": None, "run": {"dir": str(plan.results_dir)}, "job": {"chdir": False}},
     })
     body = OmegaConf.to_yaml(OmegaConf.structured(plan.train))

@@ -176,3 +176,30 @@ def test_container_mounts_the_results_and_uses_the_image_python(tmp_path):
 
     assert host.container is None and host.python == sys.executable
     assert Path(host.python).is_file()
+
+
+QWEN3_8B_CONFIG = {  # the published Qwen/Qwen3-8B config.json (the keys that shape the model)
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "rope_theta": 1000000, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+    "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_a_readable_checkpoint_is_checked_before_submission(tmp_path):
+    import json
+
+    ckpt = tmp_path / "Qwen3-8B"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG))
+    base = [f"base_results_dir={tmp_path / 'r'}", "rl=qwen3_8b_grpo_blockwise", f"rl.model.hf_path={ckpt}",
+            "rl.task.path=/data/math.jsonl"]
+    (plan,) = plans(*base)
+    assert plan.train.model.hf_path == str(ckpt) and (plan.tp, plan.dp) == (4, 2)
+    # a checkpoint that is not the preset's model: refused here, not after the queue wait
+    (ckpt / "config.json").write_text(json.dumps(dict(QWEN3_8B_CONFIG, num_hidden_layers=28)))
+    with pytest.raises(LaunchError) as e:
+        plans(*base)
+    assert f"rl.model.hf_path={str(ckpt)!r}" in str(e.value) and "config.json" in str(e.value)
+    assert "rl.model.num_layers=36 (checkpoint: 28)" in str(e.value)

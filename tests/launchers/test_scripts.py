@@ -119,7 +119,7 @@ def test_resolved_training_config_is_what_the_trainer_loads(tmp_path):
 
     from nemo_fp8rl.config.schema import validate
     from nemo_fp8rl.launcher import write_stage
-    from nemo_fp8rl.train import register_schema
+    from nemo_fp8rl.train import CONF_DIR, register_schema
 
     (plan,) = plans("rl=qwen3_8b_grpo_blockwise", f"base_results_dir={tmp_path}", *GPU_REQUIRED,
                     "rl.trainer.max_steps=123", "+rl.algorithm.eps_high=0.25", "launcher.dry_run=true")
@@ -131,6 +131,11 @@ def test_resolved_training_config_is_what_the_trainer_loads(tmp_path):
         hydra_cfg = compose(config_name=plan.train_config_name, return_hydra_config=True).hydra
         cfg = compose(config_name=plan.train_config_name)
     assert hydra_cfg.run.dir == str(plan.results_dir) and hydra_cfg.output_subdir is None
+    # Hydra's own settings are the trainer's (conf/config.yaml): same logging, no chdir
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None, job_name="train"):
+        trainer_hydra = compose(config_name="config", return_hydra_config=True).hydra
+    for key in ("job_logging", "hydra_logging", "output_subdir", "job.chdir"):
+        assert OmegaConf.select(hydra_cfg, key) == OmegaConf.select(trainer_hydra, key), key
     loaded = validate(OmegaConf.to_object(cfg))
     assert loaded == plan.train
     assert (loaded.trainer.max_steps, loaded.algorithm.eps_high, loaded.resume) == (123, 0.25, True)
