@@ -87,6 +87,15 @@ def collect(study: Path, pattern: str, last: int) -> list[dict]:
     return out
 
 
+def figure(dirs: list[Path], names: list[str], target: Path) -> None:
+    """Overlay ``dirs`` with :func:`make_report` and keep only its PNG, as ``target``."""
+    rep = make_report([str(d) for d in dirs], str(target.with_suffix("")) + "_tmp", names=names)
+    (rep / "report.png").replace(target)
+    for p in rep.iterdir():
+        p.unlink()
+    rep.rmdir()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", default="runs/study")
@@ -138,13 +147,8 @@ def main() -> None:
             dirs = [study / "main" / algo / "bf16" / "seed1", study / "main" / algo / recipe / "fp8" / "seed1",
                     study / "main" / algo / recipe / "fp8_calibrated" / "seed1"]
             if all((d / "metrics.jsonl").is_file() for d in dirs):
-                rep = make_report([str(d) for d in dirs], str(figs / f"tmp_{algo}_{recipe}"),
-                                  names=["bf16", f"{recipe} fp8", f"{recipe} fp8_calibrated"])
                 target = figs / f"study_{algo}_{recipe}.png"
-                (rep / "report.png").replace(target)
-                for p in rep.iterdir():
-                    p.unlink()
-                rep.rmdir()
+                figure(dirs, ["bf16", f"{recipe} fp8", f"{recipe} fp8_calibrated"], target)
                 parts += [f"![{algo} {recipe}, seed 1](figures/{target.name})", ""]
     rows = [("default (interval 20, balance, ema 0.5, tis)",
              collect(study, "main/grpo/tensorwise/fp8_calibrated/seed*", args.last))]
@@ -174,14 +178,9 @@ def main() -> None:
             dirs = [(study / "main/grpo/bf16/seed1") if (cond != "lr3e-4" and a == "bf16")
                     else study / "stress" / cond / a / "seed1" for a in arms]
             if all((d / "metrics.jsonl").is_file() for d in dirs):
-                rep = make_report([str(d) for d in dirs], str(figs / f"tmp_{cond}"),
-                                  names=[f"{cond} {a}" if not (cond != "lr3e-4" and a == "bf16") else "bf16"
-                                         for a in arms])
                 target = figs / f"stress_{cond}.png"
-                (rep / "report.png").replace(target)
-                for p in rep.iterdir():
-                    p.unlink()
-                rep.rmdir()
+                figure(dirs, [f"{cond} {a}" if not (cond != "lr3e-4" and a == "bf16") else "bf16" for a in arms],
+                       target)
                 parts += [f"![{cond}](figures/{target.name})", ""]
     gpu = here / "gpu_results.md"
     parts += ["## GPU check", "",

@@ -1,80 +1,8 @@
-"""Run a function of ``_scenarios.py`` in N fresh processes launched like ``torchrun`` would.
+"""2-process gloo runs of this folder's ``_scenarios.py`` (see ``tests/_dist.py``)."""
 
-Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in its
-environment, so ``nemo_fp8rl.models.init_distributed`` takes its torchrun path (gloo on CPU). The
-children load the scenario file by path, call ``func(*args)``, and ``torch.save`` the return value;
-the parent returns the list of per-rank results. Works whatever pytest's import mode is.
-"""
-
-from __future__ import annotations
-
-import importlib.util
-import os
-import pickle
-import socket
-import subprocess
-import sys
-import tempfile
+import functools
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-_REPO = _HERE.parents[1]
+from tests._dist import run_ranks as _run_ranks
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(func: str, *args, world: int = 2, timeout: float = 300.0) -> list:
-    import torch
-
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "args.pkl"), "wb") as f:
-            pickle.dump(args, f)
-        port = str(_free_port())
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
-            procs.append(subprocess.Popen([sys.executable, __file__, func, tmp], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outs = []
-        try:
-            for p in procs:
-                outs.append(p.communicate(timeout=timeout)[0])
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        failed = [(rank, p.returncode, out) for rank, (p, out) in enumerate(zip(procs, outs)) if p.returncode != 0]
-        if failed:
-            raise RuntimeError("\n".join(f"--- rank {r} exited with {rc}:\n{out[-5000:]}" for r, rc, out in failed))
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-
-
-def _child(func: str, tmp: str) -> None:
-    import warnings
-
-    import torch
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("_scenarios_child", _HERE / "_scenarios.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    with open(os.path.join(tmp, "args.pkl"), "rb") as f:
-        args = pickle.load(f)
-    from nemo_fp8rl.models import destroy_distributed
-
-    try:
-        result = getattr(mod, func)(*args)
-    finally:
-        destroy_distributed()
-    torch.save(result, os.path.join(tmp, f"rank{os.environ['RANK']}.pt"))
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+run_ranks = functools.partial(_run_ranks, Path(__file__).resolve().parent / "_scenarios.py")

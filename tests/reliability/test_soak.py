@@ -12,7 +12,7 @@ import pytest
 from nemo_fp8rl.trainer import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "trainer"))
-from _cli import TINY, metrics, run_cli  # noqa: E402
+from _cli import TINY, metrics, run_cli, strip_timing  # noqa: E402
 
 STEPS = 500
 ARM = ["fp8=tensorwise", "calibration=paper", "calibration.interval=20", "calibration.min_tokens=4",
@@ -35,6 +35,5 @@ def test_soak_500_steps_two_kills(tmp_path):
         proc.wait()
     run_cli(out, *ARM, "resume=true", timeout=3600)
     a, b = metrics(ref), metrics(out)
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rs]  # noqa: E731
     assert [r["step"] for r in b] == list(range(STEPS))
-    assert strip(a) == strip(b)
+    assert strip_timing(a) == strip_timing(b)

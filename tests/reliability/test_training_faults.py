@@ -14,14 +14,10 @@ from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.trainer import RLTrainer, StopTraining, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "trainer"))
-from _cli import TINY, metrics, run_cli  # noqa: E402
+from _cli import TINY, metrics, run_cli, strip_timing  # noqa: E402
 
 ARM = ["fp8=tensorwise", "calibration=paper", "calibration.interval=2", "calibration.min_tokens=4",
        "algorithm.old_logprobs=rollout"]
-
-
-def _strip(recs):
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in recs]
 
 
 def test_kill9_mid_run_then_resume_keeps_every_step_once(tmp_path):
@@ -44,7 +40,7 @@ def test_kill9_mid_run_then_resume_keeps_every_step_once(tmp_path):
             "resume=true")
     recs = metrics(out)
     assert [r["step"] for r in recs] == list(range(6)), "each step exactly once"
-    assert _strip(recs) == _strip(metrics(ref)), "the resumed trajectory equals the uninterrupted one"
+    assert strip_timing(recs) == strip_timing(metrics(ref)), "the resumed trajectory equals the uninterrupted one"
     # TensorBoard: purged on resume, so no step is shown twice
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -25,3 +25,8 @@ def run_cli(out: Path, *overrides: str, check: bool = True, timeout: int = 300, 
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def strip_timing(recs: list[dict]) -> list[dict]:
+    """Metrics without wall-clock timings (the part of a trajectory that must be reproducible)."""
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in recs]

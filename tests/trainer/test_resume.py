@@ -1,13 +1,9 @@
 """Resume continues the exact trajectory: 2N steps == N steps + resume to 2N (CPU, bitwise metrics)."""
 
-from ._cli import metrics, run_cli
+from ._cli import metrics, run_cli, strip_timing
 
 ARM = ["fp8=tensorwise", "calibration=paper", "calibration.interval=2", "calibration.min_tokens=4",
        "algorithm.old_logprobs=rollout"]
-
-
-def _strip(recs):
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in recs]
 
 
 def test_resume_is_exact(tmp_path):
@@ -16,7 +12,7 @@ def test_resume_is_exact(tmp_path):
     run_cli(part, *ARM, "trainer.max_steps=2", "trainer.checkpoint_interval=2")
     assert (part / "checkpoints" / "latest").read_text().strip() == "step_2"
     run_cli(part, *ARM, "trainer.max_steps=4", "trainer.checkpoint_interval=2", "resume=true")
-    a, b = _strip(metrics(full)), _strip(metrics(part))
+    a, b = strip_timing(metrics(full)), strip_timing(metrics(part))
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     assert a == b
 
