@@ -96,8 +96,8 @@ def test_usr1_checkpoints_requeues_and_resumes(tmp_path, warm_cache):
     assert m, logs
     stop = int(m.group(1))
     assert 1 <= stop < max_steps
-    assert f"nemo-fp8rl: stopped by a signal at step {stop} of {max_steps} (srun exit code 0); requeueing job {jid}" \
-        in logs
+    assert (f"nemo-fp8rl: stopped by a signal after the checkpoint of step {stop} of {max_steps}; requeueing job "
+            f"{jid}") in logs
     assert f"nemo-fp8rl: job {jid} run 2 on " in logs and f"latest checkpoint step {stop}," in logs
     assert f"resumed from {d}/checkpoints/step_{stop}" in logs
     assert f"nemo-fp8rl: training finished at step {max_steps} of {max_steps}" in logs
