@@ -203,3 +203,16 @@ def test_a_readable_checkpoint_is_checked_before_submission(tmp_path):
         plans(*base)
     assert f"rl.model.hf_path={str(ckpt)!r}" in str(e.value) and "config.json" in str(e.value)
     assert "rl.model.num_layers=36 (checkpoint: 28)" in str(e.value)
+
+
+def test_launcher_package_imports_no_hydra_and_nothing_heavy():
+    """DESIGN.md section 2: only the CLI entry points import Hydra; importing the launcher is cheap."""
+    import subprocess
+    import sys
+
+    code = ("import sys, nemo_fp8rl.launcher\n"
+            "print(','.join(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'hydra', 'omegaconf', 'torch', 'megatron'})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
