@@ -258,9 +258,18 @@ class RewardRunner:
         results: list[RewardResult | None] = [None] * len(items)
         start = 0
         while start < len(items):
-            self._load(fn, fn_bytes)
             pending = list(items[start:])
-            self._tx.send(("run", pending))
+            for attempt in range(2):
+                try:
+                    self._load(fn, fn_bytes)
+                    self._tx.send(("run", pending))
+                    break
+                except (BrokenPipeError, EOFError, OSError):
+                    # the idle worker died since the last batch (e.g. killed by a signal): start a new one
+                    self._kill()
+                    self.restarts += 1
+                    if attempt:
+                        raise
             base = start
             for j in range(len(pending)):
                 i = base + j

@@ -160,6 +160,14 @@ class RLTrainer:
         self.consecutive_skips = 0
         self.skipped_total = 0
         self._stop_signal: Optional[int] = None
+        # Preemption (SIGUSR1 from SLURM, SIGTERM) and Ctrl-C from the start, so a signal during
+        # warm-up is not lost: the first RL step finishes, checkpoints and exits.
+        self._old_handlers = {}
+        for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old_handlers[s] = signal.signal(s, self._on_signal)
+            except ValueError:  # not the main thread (library use): the caller handles signals
+                pass
         self.logger: Optional[MetricsLogger] = None
         self._log_file: Optional[logging.Handler] = None
 
@@ -420,6 +428,8 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self._stop_signal is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
         logger.warning("received signal %d: finishing the current step, checkpointing, exiting", signum)
         self._stop_signal = signum
 
@@ -427,12 +437,6 @@ class RLTrainer:
         """Run to ``trainer.max_steps``; checkpoint every ``checkpoint_interval`` steps and at the end."""
         t = self.cfg.trainer
         last: Dict[str, float] = {}
-        old_handlers = {}
-        for s in (signal.SIGUSR1, signal.SIGTERM):
-            try:
-                old_handlers[s] = signal.signal(s, self._on_signal)
-            except ValueError:  # not the main thread
-                pass
         try:
             while self.step_idx < t.max_steps:
                 metrics = self.step()
@@ -460,8 +464,9 @@ class RLTrainer:
                 save_hf_checkpoint(self.actor, self.out / "hf")
             return last
         finally:
-            for s, h in old_handlers.items():
+            for s, h in self._old_handlers.items():
                 signal.signal(s, h)
+            self._old_handlers = {}
             if self.logger is not None:
                 self.logger.close()
             if self._log_file is not None:

@@ -129,3 +129,21 @@ def test_disk_full_during_a_run_fails_clearly_and_keeps_metrics(tmp_path):
         assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith((".tmp", "step_"))]
     finally:
         subprocess.run(["umount", str(mnt)])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
+def test_preemption_signal_checkpoints_and_exits_cleanly(tmp_path, sig):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *TINY, f"output_dir={out}",
+           f"warmup.cache_dir={tmp_path / '.warmup_cache'}", "trainer.max_steps=200", "trainer.checkpoint_interval=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(read_metrics(str(out))) < 2:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-2000:]
+    logged = len(read_metrics(str(out)))
+    assert 2 <= logged < 200
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{logged}"
+    assert "checkpointing" in err

@@ -79,3 +79,17 @@ def test_task_score_counts_reward_errors_in_metrics():
         assert s.metrics()["reward/errors"][1] == "sum"
     finally:
         task.close()
+
+
+def test_worker_killed_between_batches_is_restarted():
+    """A worker that dies while idle (e.g. a signal to the whole job step) costs a restart, not the run."""
+    runner = RewardRunner(timeout_s=10.0)
+    try:
+        first = runner.run(flaky_reward, [("1", "1")])
+        runner._proc.kill()
+        runner._proc.wait()
+        second = runner.run(flaky_reward, [("1", "1"), ("2", "1")])
+        assert [r.error for r in first + second] == [None, None, None]
+        assert runner.restarts == 1
+    finally:
+        runner.close()
