@@ -129,31 +129,31 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if not f.is_file():
         raise HFCheckpointError(f"{f}: no config.json in model.hf_path; is this a Hugging Face checkpoint directory?")
     try:
-        cfg = json.loads(f.read_text())
+        config_json = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise HFCheckpointError(f"{f}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    mt = cfg.get("model_type")
+    mt = config_json.get("model_type")
     if mt not in SUPPORTED_ARCHITECTURES:
         raise HFCheckpointError(
-            f"{f}: model_type={mt!r} (architectures={cfg.get('architectures')}) is not supported; supported: "
+            f"{f}: model_type={mt!r} (architectures={config_json.get('architectures')}) is not supported; supported: "
             f"{sorted(SUPPORTED_ARCHITECTURES)} ({', '.join(SUPPORTED_ARCHITECTURES.values())})"
         )
-    archs = cfg.get("architectures") or [SUPPORTED_ARCHITECTURES[mt]]
+    archs = config_json.get("architectures") or [SUPPORTED_ARCHITECTURES[mt]]
     if SUPPORTED_ARCHITECTURES[mt] not in archs:
         raise HFCheckpointError(
             f"{f}: architectures={archs}; only the causal LM {SUPPORTED_ARCHITECTURES[mt]} of model_type {mt!r} "
             "is supported (a checkpoint of the bare model or another head has different tensor names)"
         )
-    return cfg
+    return config_json
 
 
-def _rope(cfg: dict, where: str) -> tuple[float, float | None]:
+def _rope(config_json: dict, where: str) -> tuple[float, float | None]:
     """(rope theta, Llama-3.1 scaling factor or None) from the legacy keys or transformers 5's rope_parameters."""
-    params = cfg.get("rope_parameters")
+    params = config_json.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
         params = params["full_attention"]  # per-layer-type form
-    scaling = cfg.get("rope_scaling")
-    theta = cfg.get("rope_theta")
+    scaling = config_json.get("rope_scaling")
+    theta = config_json.get("rope_theta")
     if isinstance(params, dict):
         theta = params.get("rope_theta", theta)
         if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
@@ -179,49 +179,49 @@ def _rope(cfg: dict, where: str) -> tuple[float, float | None]:
     return float(theta), float(scaling["factor"])
 
 
-def hf_config_to_model_fields(hf_cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
-    """The :data:`CHECKPOINT_FIELDS` of ``ModelConfig`` that ``hf_cfg`` (a parsed config.json) implies.
+def hf_config_to_model_fields(config_json: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The :data:`CHECKPOINT_FIELDS` of ``ModelConfig`` that ``config_json`` (a parsed config.json) implies.
 
     Raises:
         HFCheckpointError: a feature megatron's GPT (as we build it) does not reproduce, naming the key.
     """
-    mt = hf_cfg.get("model_type")
+    mt = config_json.get("model_type")
     if mt not in SUPPORTED_ARCHITECTURES:
         raise HFCheckpointError(f"{where}: model_type={mt!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
 
     def need(key):
-        if key not in hf_cfg or hf_cfg[key] is None:
+        if key not in config_json or config_json[key] is None:
             raise HFCheckpointError(f"{where}: required key {key!r} is missing")
-        return hf_cfg[key]
+        return config_json[key]
 
-    if hf_cfg.get("quantization_config"):
+    if config_json.get("quantization_config"):
         raise HFCheckpointError(
-            f"{where}: quantization_config={hf_cfg['quantization_config'].get('quant_method', '?')!r}: quantized "
+            f"{where}: quantization_config={config_json['quantization_config'].get('quant_method', '?')!r}: quantized "
             "checkpoints are not supported; start from the BF16/FP32 checkpoint (training FP8 comes from fp8=...)"
         )
-    act = hf_cfg.get("hidden_act", "silu")
+    act = config_json.get("hidden_act", "silu")
     if act != "silu":
         raise HFCheckpointError(f"{where}: hidden_act={act!r}; only SiLU (SwiGLU MLP) is supported")
-    if hf_cfg.get("use_sliding_window"):
+    if config_json.get("use_sliding_window"):
         raise HFCheckpointError(
             f"{where}: use_sliding_window=true; sliding-window attention is not supported (set it to false "
             "if sequences are shorter than sliding_window)"
         )
-    if hf_cfg.get("attention_bias") or hf_cfg.get("mlp_bias"):
+    if config_json.get("attention_bias") or config_json.get("mlp_bias"):
         raise HFCheckpointError(
-            f"{where}: attention_bias={hf_cfg.get('attention_bias')} mlp_bias={hf_cfg.get('mlp_bias')}: biases on "
+            f"{where}: attention_bias={config_json.get('attention_bias')} mlp_bias={config_json.get('mlp_bias')}: biases on "
             "o_proj/MLP are not supported (Qwen2's q/k/v biases are)"
         )
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
-    head_dim = hf_cfg.get("head_dim")
+    head_dim = config_json.get("head_dim")
     if head_dim is None:
         if hidden % heads:
             raise HFCheckpointError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
                                     "and head_dim is not given")
         head_dim = hidden // heads
-    theta, scaling = _rope(hf_cfg, where)
-    kv = hf_cfg.get("num_key_value_heads")
+    theta, scaling = _rope(config_json, where)
+    kv = config_json.get("num_key_value_heads")
     return {
         "vocab_size": int(need("vocab_size")),
         "num_layers": int(need("num_hidden_layers")),
@@ -233,12 +233,12 @@ def hf_config_to_model_fields(hf_cfg: Mapping[str, Any], where: str = "config.js
         "rotary_base": theta,
         "rope_scaling_factor": scaling,
         "normalization": "RMSNorm",
-        "norm_epsilon": float(hf_cfg.get("rms_norm_eps", 1e-6)),
+        "norm_epsilon": float(config_json.get("rms_norm_eps", 1e-6)),
         "activation": "swiglu",
         "add_bias_linear": False,
         "add_qkv_bias": mt == "qwen2",
         "qk_layernorm": mt == "qwen3",
-        "untie_embeddings_and_output_weights": not bool(hf_cfg.get("tie_word_embeddings", False)),
+        "untie_embeddings_and_output_weights": not bool(config_json.get("tie_word_embeddings", False)),
     }
 
 
@@ -263,9 +263,9 @@ def resolve_model_config(model_cfg: ModelConfig) -> ModelConfig:
     """
     if not model_cfg.hf_path:
         return model_cfg
-    hf_cfg = read_hf_config(model_cfg.hf_path)
+    config_json = read_hf_config(model_cfg.hf_path)
     where = str(Path(model_cfg.hf_path) / "config.json")
-    fields = hf_config_to_model_fields(hf_cfg, where)
+    fields = hf_config_to_model_fields(config_json, where)
     defaults = ModelConfig()
     conflicts = []
     for k, v in fields.items():
@@ -281,8 +281,8 @@ def resolve_model_config(model_cfg: ModelConfig) -> ModelConfig:
         )
     out = dataclasses.replace(model_cfg, **fields)
     if out.name == defaults.name:
-        out = dataclasses.replace(out, name=str(hf_cfg["model_type"]))
-    max_pos = hf_cfg.get("max_position_embeddings")
+        out = dataclasses.replace(out, name=str(config_json["model_type"]))
+    max_pos = config_json.get("max_position_embeddings")
     if max_pos is not None and out.seq_length > int(max_pos):
         log.warning("model.seq_length=%d exceeds the checkpoint's max_position_embeddings=%s (%s)",
                     out.seq_length, max_pos, where)
@@ -480,7 +480,7 @@ def load_hf_state_dict(path: str | os.PathLike, model_cfg: ModelConfig | None = 
 # --------------------------------------------------------------------------------------------------
 
 
-def _bridge_usable(actor, hf_cfg: dict) -> tuple[bool, str]:
+def _bridge_usable(actor, config_json: dict) -> tuple[bool, str]:
     """Whether megatron-bridge's AutoBridge can load this model, and why not."""
     try:
         from megatron.bridge import AutoBridge  # noqa: F401
@@ -555,8 +555,8 @@ def load_hf_weights(actor, path: str | os.PathLike | None = None, *, backend: st
     path = Path(path)
     if backend not in ("auto", "native", "megatron-bridge"):
         raise ValueError(f"backend={backend!r}; use 'auto', 'native' or 'megatron-bridge'")
-    hf_cfg = read_hf_config(path)
-    fields = hf_config_to_model_fields(hf_cfg, str(path / "config.json"))
+    config_json = read_hf_config(path)
+    fields = hf_config_to_model_fields(config_json, str(path / "config.json"))
     diff = [f"{k}: model {getattr(actor.model_cfg, k)!r} vs checkpoint {v!r}" for k, v in fields.items()
             if not _same(getattr(actor.model_cfg, k), v)]
     if diff:
@@ -566,7 +566,7 @@ def load_hf_weights(actor, path: str | os.PathLike | None = None, *, backend: st
     ckpt.check(actor.model_cfg)
     t0 = time.time()
     if backend != "native":
-        ok, why = _bridge_usable(actor, hf_cfg)
+        ok, why = _bridge_usable(actor, config_json)
         if not ok and backend == "megatron-bridge":
             raise ValueError(f"backend='megatron-bridge' is not usable here: {why}; use backend='native'")
         if ok:
