@@ -14,8 +14,9 @@ Groups:
 * ``main``: arms bf16 / fp8 (fixed clip, calibration measured only) / fp8_calibrated, for recipes
   tensorwise, rowwise, blockwise, mxfp8 and algorithms grpo, dapo (bf16 runs once per algorithm/seed);
 * ``ablation``: fp8_calibrated with grpo + tensorwise, one override each: calibration.interval
-  5/10/40, calibration.upper_mode quantile/proportional/fixed, calibration.ema 0/0.9, and
-  algorithm.rollout_correction none (the defaults interval 20, balance, ema 0.5, tis are the main runs);
+  5/10/40, calibration.upper_mode quantile/proportional/fixed, calibration.ema 0/0.9 (the defaults
+  interval 20, balance, ema 0.5 are the main runs), and rollout correction tis vs none with old
+  log-probs recomputed by the trainer (with rollout old log-probs the TIS weight is exactly 1);
 * ``stress``: conditions that push FP8 harder (E5M2 activations, a 3x larger learning rate, fast
   accumulation), each for the three arms, to look for entropy surges.
 """
@@ -48,7 +49,10 @@ ABLATIONS = {
     "upper_fixed": ["calibration.upper_mode=fixed"],
     "ema0": ["calibration.ema=0.0"],
     "ema0.9": ["calibration.ema=0.9"],
-    "rc_none": ["algorithm.rollout_correction=none"],
+    # Rollout correction only acts when old log-probs come from the trainer (with old_logprobs=rollout
+    # the TIS weight exp(old - rollout) is exactly 1), so it is ablated under recompute:
+    "recompute_tis": ["algorithm.old_logprobs=recompute", "algorithm.rollout_correction=tis"],
+    "recompute_none": ["algorithm.old_logprobs=recompute", "algorithm.rollout_correction=none"],
 }
 STRESS = {
     "e5m2": ["fp8.fp8_format=e5m2"],

@@ -153,7 +153,7 @@ def main() -> None:
     rows = [("default (interval 20, balance, ema 0.5, tis)",
              collect(study, "main/grpo/tensorwise/fp8_calibrated/seed*", args.last))]
     for name in ("interval5", "interval10", "interval40", "upper_quantile", "upper_proportional", "upper_fixed",
-                 "ema0", "ema0.9", "rc_none"):
+                 "ema0", "ema0.9", "rc_none", "recompute_tis", "recompute_none"):
         rows.append((name, collect(study, f"ablation/{name}/seed*", args.last)))
     rows.append(("(reference) fp8 fixed clip", collect(study, "main/grpo/tensorwise/fp8/seed*", args.last)))
     rows.append(("(reference) bf16", collect(study, "main/grpo/bf16/seed*", args.last)))
