@@ -98,7 +98,8 @@ def execute(run: dict, out: Path, steps: int, log_dir: Path) -> tuple[str, int, 
     run_dir = out / run["group"] / run["name"]
     if done(run_dir, steps):
         return run["name"], 0, 0.0
-    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *run["overrides"], *COMMON, f"seed={run['seed']}",
+    # COMMON first: a run's own overrides (e.g. old_logprobs=recompute in an ablation) must win
+    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *COMMON, *run["overrides"], f"seed={run['seed']}",
            f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={max(steps // 2, 1)}",
            f"output_dir={run_dir}", f"warmup.cache_dir={out / '.warmup_cache'}", "resume=true"]
     log = log_dir / (run["group"] + "__" + run["name"].replace("/", "__") + ".log")
