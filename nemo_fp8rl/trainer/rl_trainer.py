@@ -228,20 +228,18 @@ class RLTrainer:
             return batch, scores, rewards, adv, {}
         parts = [(batch, scores, rewards, adv)]
         keep, kept_frac = dynamic_sampling_filter(rewards, a.group_size)
-        kept_groups = [int(keep.view(-1, a.group_size)[:, 0].sum())]
+        group_keeps = [keep.view(-1, a.group_size)[:, 0].tolist()]  # one flag per group, per round
         rounds = 0
-        while sum(kept_groups) < self.local_prompts and rounds < a.max_resample_rounds:
+        while sum(map(sum, group_keeps)) < self.local_prompts and rounds < a.max_resample_rounds:
             rounds += 1
             b, s, r, ad = self._generate(self.local_prompts)
-            k, _ = dynamic_sampling_filter(r, a.group_size)
             parts.append((b, s, r, ad))
-            kept_groups.append(int(k.view(-1, a.group_size)[:, 0].sum()))
+            group_keeps.append(dynamic_sampling_filter(r, a.group_size)[0].view(-1, a.group_size)[:, 0].tolist())
         # Select kept groups first (in sampling order); fill with dropped ones (zero advantage: no
         # gradient) when even the extra rounds did not find enough informative groups.
         sel, fill = [], []
-        for i, (b, s, r, ad) in enumerate(parts):
-            k, _ = dynamic_sampling_filter(r, a.group_size)
-            for g, kg in enumerate(k.view(-1, a.group_size)[:, 0].tolist()):
+        for i, flags in enumerate(group_keeps):
+            for g, kg in enumerate(flags):
                 (sel if kg else fill).append((i, g))
         chosen = (sel + fill)[: self.local_prompts]
         merged = _merge_groups(parts, chosen, a.group_size, self.task.tokenizer.pad_id)
