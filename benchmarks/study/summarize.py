@@ -160,7 +160,7 @@ def main() -> None:
     rows.append(("(reference) bf16", collect(study, "main/grpo/bf16/seed*", args.last)))
     parts += ["## Ablations of Calibrated Clipping (GRPO, tensorwise)", "",
               f"Command: `python benchmarks/study/run_study.py --out {study} --steps {steps} --only ablation` "
-              "(one override each on the calibrated arm, two seeds for lack of time; the default row is the main grid's run; `recompute_*` rows recompute old log-probs with the FP8 trainer, where rollout correction acts).", "",
+              "(one override each on the calibrated arm, three seeds; the default row is the main grid's run; `recompute_*` rows recompute old log-probs with the FP8 trainer, where rollout correction acts).", "",
               table(rows), ""]
     rows = []
     for cond in ("e5m2", "lr3e-4", "fast_accum"):
