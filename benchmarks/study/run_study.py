@@ -18,7 +18,12 @@ Groups:
   interval 20, balance, ema 0.5 are the main runs), and rollout correction tis vs none with old
   log-probs recomputed by the trainer (with rollout old log-probs the TIS weight is exactly 1);
 * ``stress``: conditions that push FP8 harder (E5M2 activations, a 3x larger learning rate, fast
-  accumulation), each for the three arms, to look for entropy surges.
+  accumulation), each for the three arms, to look for entropy surges, and a 10x learning rate
+  (``lr1e-3``), the one setting where the entropy surged at this scale (in every arm, BF16 included);
+* ``long``: ``--long-steps`` (default 200) steps of the three arms at 2x the learning rate with E5M2
+  activations and weights (bf16: the same learning rate), all seeds: the setting where the fixed-clip
+  FP8 arm degrades while BF16 keeps learning (found by a search over the conditions of the ``stress``
+  group, lr 2e-4/3e-4/1e-3, 2-4 epochs, 16 minibatches, at 150-200 steps; see docs/results.md).
 """
 
 from __future__ import annotations
@@ -58,7 +63,18 @@ STRESS = {
     "e5m2": ["fp8.fp8_format=e5m2"],
     "lr3e-4": ["optim.lr=3e-4"],
     "fast_accum": ["fp8.accumulation=fast"],
+    "lr1e-3": ["optim.lr=1e-3"],
 }
+# conditions that apply to the FP8 arms only (there is no E5M2 or fast accumulation in high precision)
+FP8_ONLY = {"fp8.fp8_format=e5m2", "fp8.accumulation=fast"}
+LONG = {"e5m2_lr2e-4": ["fp8.fp8_format=e5m2", "optim.lr=2e-4"]}
+
+
+def _arm_overrides(arm: str, extra: list[str]) -> list[str]:
+    """An arm's overrides plus a condition's; the bf16 arm keeps only the non-FP8 part of the condition."""
+    if arm == "bf16":
+        return [*ARMS[arm], *(o for o in extra if o not in FP8_ONLY)]
+    return ["fp8=tensorwise", *ARMS[arm], *extra]
 
 
 def plan(args) -> list[dict]:
@@ -79,11 +95,15 @@ def plan(args) -> list[dict]:
                              overrides=["algorithm=grpo", "fp8=tensorwise", *ARMS["fp8_calibrated"], *extra]))
     for cond, extra in STRESS.items():
         for arm in ARMS:
-            if arm == "bf16" and cond != "lr3e-4":
+            if arm == "bf16" and not [o for o in extra if o not in FP8_ONLY]:
                 continue  # E5M2 / fast accumulation do not exist in high precision: bf16 is the main run
-            base = ARMS[arm] if arm == "bf16" else ["fp8=tensorwise", *ARMS[arm]]
             runs.append(dict(group="stress", name=f"{cond}/{arm}/seed1", seed=1,
-                             overrides=["algorithm=grpo", *base, *extra]))
+                             overrides=["algorithm=grpo", *_arm_overrides(arm, extra)]))
+    for seed in seeds:
+        for cond, extra in LONG.items():
+            for arm in ARMS:
+                runs.append(dict(group="long", name=f"{cond}/{arm}/seed{seed}", seed=seed, steps=args.long_steps,
+                                 overrides=["algorithm=grpo", *_arm_overrides(arm, extra)]))
     if args.only:
         runs = [r for r in runs if r["group"] in args.only.split(",")]
     return runs
@@ -94,12 +114,13 @@ def done(run_dir: Path, steps: int) -> bool:
     return m.is_file() and sum(1 for _ in m.open()) >= steps
 
 
-def execute(run: dict, out: Path, steps: int, log_dir: Path) -> tuple[str, int, float]:
+def execute(run: dict, out: Path, steps: int, log_dir: Path, extra: list[str]) -> tuple[str, int, float]:
     run_dir = out / run["group"] / run["name"]
+    steps = run.get("steps", steps)
     if done(run_dir, steps):
         return run["name"], 0, 0.0
     # COMMON first: a run's own overrides (e.g. old_logprobs=recompute in an ablation) must win
-    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *COMMON, *run["overrides"], f"seed={run['seed']}",
+    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *COMMON, *run["overrides"], *extra, f"seed={run['seed']}",
            f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={max(steps // 2, 1)}",
            f"output_dir={run_dir}", f"warmup.cache_dir={out / '.warmup_cache'}", "resume=true"]
     log = log_dir / (run["group"] + "__" + run["name"].replace("/", "__") + ".log")
@@ -119,8 +140,11 @@ def main() -> None:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--algos", default=",".join(ALGOS))
-    ap.add_argument("--only", default="", help="comma-separated groups: main, ablation, stress")
+    ap.add_argument("--long-steps", type=int, default=200, help="RL steps of the runs of the long group")
+    ap.add_argument("--only", default="", help="comma-separated groups: main, ablation, stress, long")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="Hydra overrides appended to every run's own (e.g. a smaller warm-up for a smoke test)")
     args = ap.parse_args()
     runs = plan(args)
     out = Path(args.out)
@@ -131,7 +155,8 @@ def main() -> None:
         return
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    (out / "study.json").write_text(json.dumps({"steps": args.steps, "runs": runs, "common": COMMON}, indent=1))
+    (out / "study.json").write_text(json.dumps({"steps": args.steps, "long_steps": args.long_steps, "runs": runs,
+                                                "common": COMMON}, indent=1))
     # warm-ups first, one per seed (cached, shared by every run of that seed), so parallel jobs never
     # compute the same warm-up twice
     seeds = sorted({r["seed"] for r in runs})
@@ -139,11 +164,11 @@ def main() -> None:
     t0 = time.time()
     failures = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for name, rc, sec in pool.map(lambda r: execute(r, out, args.steps, log_dir), firsts):
+        for name, rc, sec in pool.map(lambda r: execute(r, out, args.steps, log_dir, args.extra), firsts):
             print(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s", flush=True)
             failures += [name] if rc else []
         rest = [r for r in runs if r not in firsts]
-        for name, rc, sec in pool.map(lambda r: execute(r, out, args.steps, log_dir), rest):
+        for name, rc, sec in pool.map(lambda r: execute(r, out, args.steps, log_dir, args.extra), rest):
             print(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s", flush=True)
             failures += [name] if rc else []
     print(f"study finished in {time.time() - t0:.0f}s; {len(runs) - len(failures)}/{len(runs)} runs ok")

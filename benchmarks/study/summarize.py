@@ -4,6 +4,9 @@
 
 Per run: final reward and accuracy (mean of the last ``--last`` steps), final entropy (same window),
 entropy surge ratio (max over the run of ``stability/entropy_ratio`` = entropy / running median),
+entropy max / start (max entropy over the run / mean entropy of its first 5 steps: a surge that lasts
+becomes its own running median, this ratio still shows it), final rollout-trainer mismatch (mean
+``mismatch/logp_abs_diff_mean`` over the last steps),
 ``clip/low_frac`` (mean over steps), ``calib/alpha_bf16``, ``calib/alpha_fp8_nominal`` and
 ``calib/false_clip_rate`` (means over calibration steps), invalid-output rate (mean), step time (mean).
 Cells are mean ± std over seeds. The prose of ``benchmarks/study/observations.md`` is included as is.
@@ -24,12 +27,14 @@ COLUMNS = [
     ("reward", "final reward"),
     ("entropy", "final entropy"),
     ("surge", "max entropy ratio"),
+    ("entropy_rise", "entropy max/start"),
     ("low_frac", "clip/low_frac"),
     ("alpha_bf16", "alpha bf16"),
     ("alpha_fp8", "alpha fp8 nominal"),
     ("false_clip", "false-clip rate"),
     ("upper", "final upper"),
     ("invalid", "invalid rate"),
+    ("mismatch", "final mismatch"),
     ("step_s", "step s"),
 ]
 
@@ -50,12 +55,14 @@ def run_stats(run_dir: Path, last: int) -> dict | None:
         "reward": _mean([r.get("reward/mean") for r in tail]),
         "entropy": _mean([r.get("policy/entropy") for r in tail]),
         "surge": max((r.get("stability/entropy_ratio") or 0.0) for r in recs),
+        "entropy_rise": max(r["policy/entropy"] for r in recs) / _mean([r["policy/entropy"] for r in recs[:5]]),
         "low_frac": _mean([r.get("clip/low_frac") for r in recs]),
         "alpha_bf16": _mean([r.get("calib/alpha_bf16") for r in calib]),
         "alpha_fp8": _mean([r.get("calib/alpha_fp8_nominal") for r in calib]),
         "false_clip": _mean([r.get("calib/false_clip_rate") for r in calib]),
         "upper": tail[-1].get("clip/upper"),
         "invalid": _mean([r.get("rollout/invalid_frac") for r in recs]),
+        "mismatch": _mean([r.get("mismatch/logp_abs_diff_mean") for r in tail]),
         "step_s": _mean([r.get("timing/step") for r in recs]),
     }
 
@@ -94,6 +101,21 @@ def figure(dirs: list[Path], names: list[str], target: Path) -> None:
     for p in rep.iterdir():
         p.unlink()
     rep.rmdir()
+
+
+def _arm_dirs(study: Path, group: str, cond: str, seed: int) -> tuple[list[Path], list[str]]:
+    """Run directories and legend names of the three arms of one condition; an FP8-only condition has no
+    bf16 run of its own, so the main grid's GRPO bf16 run stands in for it."""
+    dirs, names = [], []
+    for arm in ("bf16", "fp8", "fp8_calibrated"):
+        d = study / group / cond / arm / f"seed{seed}"
+        if arm == "bf16" and not (d / "metrics.jsonl").is_file():
+            d, name = study / "main" / "grpo" / "bf16" / f"seed{seed}", "bf16"
+        else:
+            name = f"{cond} {arm}"
+        dirs.append(d)
+        names.append(name)
+    return dirs, names
 
 
 def main() -> None:
@@ -163,7 +185,7 @@ def main() -> None:
               "(one override each on the calibrated arm, three seeds; the default row is the main grid's run; `recompute_*` rows recompute old log-probs with the FP8 trainer, where rollout correction acts).", "",
               table(rows), ""]
     rows = []
-    for cond in ("e5m2", "lr3e-4", "fast_accum"):
+    for cond in ("e5m2", "lr3e-4", "fast_accum", "lr1e-3"):
         for arm in ("bf16", "fp8", "fp8_calibrated"):
             st = collect(study, f"stress/{cond}/{arm}/seed*", args.last)
             if st:
@@ -171,18 +193,33 @@ def main() -> None:
     if rows:
         parts += ["## Stress conditions (seed 1): looking for entropy surges", "",
                   f"Command: `python benchmarks/study/run_study.py --out {study} --steps {steps} --only stress`; "
-                  "`e5m2` = E5M2 activations and weights (`fp8.fp8_format=e5m2`), `lr3e-4` = 3x the learning "
-                  "rate (`optim.lr=3e-4`, also for bf16), `fast_accum` = Hopper-style un-promoted accumulation "
-                  "(`fp8.accumulation=fast`).", "", table(rows), ""]
-        for cond in ("e5m2", "lr3e-4"):
-            arms = ["bf16", "fp8", "fp8_calibrated"]
-            dirs = [(study / "main/grpo/bf16/seed1") if (cond != "lr3e-4" and a == "bf16")
-                    else study / "stress" / cond / a / "seed1" for a in arms]
+                  "`e5m2` = E5M2 activations and weights (`fp8.fp8_format=e5m2`), `lr3e-4` / `lr1e-3` = 3x / 10x "
+                  "the learning rate (`optim.lr`, also for bf16), `fast_accum` = Hopper-style un-promoted "
+                  "accumulation (`fp8.accumulation=fast`).", "", table(rows), ""]
+        for cond in ("e5m2", "lr3e-4", "lr1e-3"):
+            dirs, names = _arm_dirs(study, "stress", cond, 1)
             if all((d / "metrics.jsonl").is_file() for d in dirs):
                 target = figs / f"stress_{cond}.png"
-                figure(dirs, [f"{cond} {a}" if not (cond != "lr3e-4" and a == "bf16") else "bf16" for a in arms],
-                       target)
+                figure(dirs, names, target)
                 parts += [f"![{cond}](figures/{target.name})", ""]
+    long_steps = meta.get("long_steps", 200)
+    rows = []
+    for cond in ("e5m2_lr2e-4",):
+        for arm in ("bf16", "fp8", "fp8_calibrated"):
+            st = collect(study, f"long/{cond}/{arm}/seed*", args.last)
+            if st:
+                rows.append((f"{cond} / {arm}", st))
+    if rows:
+        parts += [f"## Longer runs where fixed-clip FP8 degrades ({long_steps} steps, 2x learning rate, E5M2)", "",
+                  f"Command: `python benchmarks/study/run_study.py --out {study} --long-steps {long_steps} --only long`; "
+                  "GRPO, `fp8.fp8_format=e5m2 optim.lr=2e-4` for the FP8 arms, `optim.lr=2e-4` for bf16.", "",
+                  table(rows), ""]
+        for seed in (1, 2, 3):
+            dirs, names = _arm_dirs(study, "long", "e5m2_lr2e-4", seed)
+            if all((d / "metrics.jsonl").is_file() for d in dirs):
+                target = figs / f"long_e5m2_lr2e-4_seed{seed}.png"
+                figure(dirs, names, target)
+                parts += [f"![e5m2 lr 2e-4, seed {seed}](figures/{target.name})", ""]
     gpu = here / "gpu_results.md"
     parts += ["## GPU check", "",
               gpu.read_text().strip() if gpu.is_file() else

@@ -1,0 +1,64 @@
+"""The study runner and its summarizer end to end, at smoke size (real CLI runs, 2 RL steps each)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "trainer"))
+from _cli import TINY  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_STUDY = ROOT / "benchmarks" / "study" / "run_study.py"
+SUMMARIZE = ROOT / "benchmarks" / "study" / "summarize.py"
+
+
+def _plan(*args: str) -> list[list[str]]:
+    out = subprocess.run([sys.executable, str(RUN_STUDY), "--list", *args], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.splitlines()
+    return [line.split() for line in out[:-1]]
+
+
+def test_plan_covers_the_grid_and_ablations():
+    main = _plan("--only", "main")
+    # 2 algorithms x 3 seeds x (bf16 + 4 recipes x 2 FP8 arms)
+    assert len(main) == 2 * 3 * 9
+    names = {r[1] for r in main}
+    for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
+        for arm in ("fp8", "fp8_calibrated"):
+            assert f"dapo/{recipe}/{arm}/seed3" in names
+    abl = {r[1].split("/")[0]: r[2:] for r in _plan("--only", "ablation", "--seeds", "1")}
+    assert "calibration.interval=5" in abl["interval5"] and "calibration.ema=0.9" in abl["ema0.9"]
+    assert "calibration.upper_mode=fixed" in abl["upper_fixed"]
+    # the bf16 arm of a condition keeps only its non-FP8 overrides
+    long = {r[1]: r[2:] for r in _plan("--only", "long", "--seeds", "2")}
+    assert long["e5m2_lr2e-4/bf16/seed2"] == ["algorithm=grpo", "fp8=off", "calibration=off", "optim.lr=2e-4"]
+    assert "fp8.fp8_format=e5m2" in long["e5m2_lr2e-4/fp8/seed2"]
+
+
+def test_long_group_runs_resumes_and_summarizes(tmp_path):
+    out = tmp_path / "study"
+    cmd = [sys.executable, str(RUN_STUDY), "--out", str(out), "--only", "long", "--seeds", "1", "--long-steps", "2",
+           "--jobs", "2", "--extra", *TINY]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "3/3 runs ok" in first.stdout
+    for arm in ("bf16", "fp8", "fp8_calibrated"):
+        lines = (out / "long" / "e5m2_lr2e-4" / arm / "seed1" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in lines] == [0, 1]
+    # a finished run is skipped on the second call (the study is resumable)
+    second = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert second.returncode == 0 and second.stdout.count(": rc=0 0s") == 3, second.stdout
+
+    doc, figs = tmp_path / "results.md", tmp_path / "figs"
+    subprocess.run([sys.executable, str(SUMMARIZE), "--study", str(out), "--doc", str(doc), "--figures", str(figs),
+                    "--last", "2"], check=True, cwd=ROOT, capture_output=True, timeout=300)
+    text = doc.read_text()
+    assert "## Longer runs where fixed-clip FP8 degrades (2 steps" in text
+    rows = [line for line in text.splitlines() if line.startswith("| e5m2_lr2e-4 / ")]
+    assert [r.split("|")[1].strip() for r in rows] == [f"e5m2_lr2e-4 / {a}" for a in ("bf16", "fp8", "fp8_calibrated")]
+    # the fp8 row's final reward is the mean over the --last 2 steps of that run
+    rewards = [json.loads(x)["reward/mean"] for x in
+               (out / "long/e5m2_lr2e-4/fp8/seed1/metrics.jsonl").read_text().splitlines()]
+    assert rows[1].split("|")[3].strip() == f"{sum(rewards) / 2:.3f}"
+    assert (figs / "long_e5m2_lr2e-4_seed1.png").stat().st_size > 10_000
