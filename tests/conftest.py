@@ -11,6 +11,26 @@ import torch
 # so runs are deterministic and do not oversubscribe.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+try:  # property tests: the same examples on every run (CI stays reproducible); explore new ones with
+    # `pytest --hypothesis-profile=explore` (a random search, as a fuzzing session would run it)
+    from hypothesis import settings
+
+    settings.register_profile("default", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+except ImportError:
+    pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_across_modules():
+    """A module that builds trainers in this process leaves torch.distributed initialised (kept on
+    purpose between its own tests); the next module must start without it, whatever the order."""
+    yield
+    from nemo_fp8rl.models.parallel import destroy_distributed
+
+    destroy_distributed()
+
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False, help="run tests marked slow")

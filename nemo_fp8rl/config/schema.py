@@ -8,7 +8,8 @@ combinations before any work starts, naming the key and the fix.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
 from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
@@ -291,6 +292,15 @@ def _choice(key: str, value, options: List[str]) -> None:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of {options}")
 
 
+
+def _fp8_keys(msg: str) -> str:
+    """A recipe error names recipe fields (``first_last_layers_bf16``); a config error must name the
+    config key the user sets (``fp8.first_last_layers_bf16``). ``recipe`` itself is left alone: the
+    recipe's messages start with "fp8 recipe 'name':"."""
+    names = sorted((f.name for f in fields(Fp8Config) if f.name != "recipe"), key=len, reverse=True)
+    return re.sub(r"(?<![\w.])(" + "|".join(names) + r")\b", r"fp8.\1", msg)
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Reject values and combinations that cannot work, naming the key and the fix. Returns cfg."""
     from nemo_fp8rl.fp8 import ROLLOUT_SCHEMES, list_recipes, resolve_recipe
@@ -333,7 +343,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         try:
             build_fp8_recipe(cfg)
         except ValueError as e:
-            raise ConfigError(f"fp8: {e}") from None
+            raise ConfigError(_fp8_keys(str(e))) from None
     _choice("rollout.fp8.scheme", cfg.rollout.fp8.scheme, list(ROLLOUT_SCHEMES))
     if cfg.rollout.temperature <= 0 or not (0 < cfg.rollout.top_p <= 1):
         raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
