@@ -146,7 +146,7 @@ def main() -> None:
         "",
         f"Every run: tiny Megatron GPT (d=128, 3 layers), built-in 3-digit addition task, supervised warm-up "
         f"until the expected sampled accuracy reaches 0.45 (cached per seed; `warmup.json` in each run directory "
-        f"records its steps), then {steps} RL steps of 32 prompts x 8 responses in 4 minibatches, "
+        f"records its steps), then {steps} RL steps ({meta.get('long_steps', 200)} in the `long` group) of 32 prompts x 8 responses in 4 minibatches, "
         "Adam lr 1e-4, FP8 in training *and* rollout for the FP8 arms (rollout scheme vllm_w8a8), old "
         "log-probs from the rollout engine (`algorithm.old_logprobs=rollout`, the demo's setting), TIS C=2. "
         f"Arms: `bf16` (FP8 off everywhere), `fp8` (fixed clip; the BF16 shadow only measures, "
