@@ -103,7 +103,7 @@ def figure(dirs: list[Path], names: list[str], target: Path) -> None:
     rep.rmdir()
 
 
-def _arm_dirs(study: Path, group: str, cond: str, seed: int) -> tuple[list[Path], list[str]]:
+def _arm_dirs(study: Path, group: str, cond: str, seed: int, bf16_name: str = "") -> tuple[list[Path], list[str]]:
     """Run directories and legend names of the three arms of one condition; an FP8-only condition has no
     bf16 run of its own, so the main grid's GRPO bf16 run stands in for it."""
     dirs, names = [], []
@@ -112,7 +112,7 @@ def _arm_dirs(study: Path, group: str, cond: str, seed: int) -> tuple[list[Path]
         if arm == "bf16" and not (d / "metrics.jsonl").is_file():
             d, name = study / "main" / "grpo" / "bf16" / f"seed{seed}", "bf16"
         else:
-            name = f"{cond} {arm}"
+            name = bf16_name if (arm == "bf16" and bf16_name) else f"{cond} {arm}"
         dirs.append(d)
         names.append(name)
     return dirs, names
@@ -215,7 +215,7 @@ def main() -> None:
                   "GRPO, `fp8.fp8_format=e5m2 optim.lr=2e-4` for the FP8 arms, `optim.lr=2e-4` for bf16.", "",
                   table(rows), ""]
         for seed in (1, 2, 3):
-            dirs, names = _arm_dirs(study, "long", "e5m2_lr2e-4", seed)
+            dirs, names = _arm_dirs(study, "long", "e5m2_lr2e-4", seed, bf16_name="bf16 lr2e-4 (no E5M2)")
             if all((d / "metrics.jsonl").is_file() for d in dirs):
                 target = figs / f"long_e5m2_lr2e-4_seed{seed}.png"
                 figure(dirs, names, target)
