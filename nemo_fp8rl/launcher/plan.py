@@ -372,6 +372,17 @@ def _train_config(raw: dict, stage: str, where: str, results_dir: Path,
                           f"{_scoped(str(e), stage)}") from None
 
 
+def _recipe_env(train, user_keys: set) -> tuple[tuple[str, str], ...]:
+    """Environment the stage's FP8 recipe needs before Transformer Engine is imported (blockwise scale
+    type: TE reads ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` once, at import). A variable set in
+    ``env_vars`` wins; the trainer refuses a mismatch with the recipe when it builds the model."""
+    from nemo_fp8rl.config.schema import build_fp8_recipe
+
+    recipe = build_fp8_recipe(train)
+    env = recipe.te_env() if recipe is not None else {}
+    return tuple((k, v) for k, v in sorted(env.items()) if k not in user_keys)
+
+
 def _scoped(msg: str, stage: str) -> str:
     """Name training keys as the launcher sees them: ``algorithm.eps_low`` -> ``rl.algorithm.eps_low``."""
     from nemo_fp8rl.config.schema import TrainConfig
@@ -521,7 +532,8 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
         plans.append(StagePlan(
             stage=stage, config_name=config_name, cluster_type=cluster_type, run=run, cluster=cluster,
             container=container.strip() if container else None, container_mounts=tuple(mounts),
-            env_vars=tuple(env_pairs), python=python, dry_run=dry_run, train=train,
+            env_vars=tuple(env_pairs) + _recipe_env(train, {k for k, _ in env_pairs}), python=python,
+            dry_run=dry_run, train=train,
         ))
     return plans
 

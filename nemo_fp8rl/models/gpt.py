@@ -197,7 +197,10 @@ def build_gpt_model(
     device = resolve_device(device)
     use_te = resolve_use_te(use_te, device)
     if fp8_recipe is not None and use_te:
+        from nemo_fp8rl.fp8.te import check_block_scale_env
+
         fp8_recipe.to_megatron_kwargs()  # raises for recipes TE does not have (rowwise)
+        check_block_scale_env(fp8_recipe)  # megatron's blockwise recipe takes TE's import-time scale type
     config = make_transformer_config(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te, device=device)
     spec = te_layer_spec(model_cfg.qk_layernorm) if use_te else local_fp8_layer_spec(model_cfg.qk_layernorm)
 

@@ -15,6 +15,14 @@ def _te():
     return te, tex
 
 
+def _require(scaling: str) -> None:
+    from nemo_fp8rl.fp8.te import te_support
+
+    ok, reason = te_support(scaling)
+    if not ok:
+        pytest.skip(f"{scaling}: {reason}")
+
+
 def _inputs():
     torch.manual_seed(0)
     x = torch.randn(256, 512, device="cuda") * 3
@@ -35,6 +43,7 @@ def test_tensorwise_matches_te_current_scaling():
 @pytest.mark.parametrize("dim2", [False, True])
 def test_blockwise_matches_te_block_scaling(dim2):
     te, tex = _te()
+    _require("blockwise")
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 
     x = _inputs()
@@ -48,8 +57,7 @@ def test_blockwise_matches_te_block_scaling(dim2):
 
 def test_mxfp8_matches_te():
     te, tex = _te()
-    if torch.cuda.get_device_capability()[0] < 10:
-        pytest.skip("MXFP8 needs Blackwell (sm100+)")
+    _require("mxfp8")  # Blackwell sm100 (TE reports sm120 and Hopper as unsupported)
     from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
     x = _inputs()

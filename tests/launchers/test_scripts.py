@@ -52,6 +52,7 @@ def test_tiny_cpu_stage_script(tmp_path):
         "export PYTHONUNBUFFERED=1",
         "export CUDA_DEVICE_MAX_CONNECTIONS=1",
         "export TORCH_NCCL_AVOID_RECORD_STREAMS=1",
+        "export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0",  # blockwise: power-of-two scales, before TE is imported
         f"OUTPUT_DIR={d}",
         "MAX_STEPS=100",
         '    if scontrol requeue "$SLURM_JOB_ID"; then',
@@ -108,8 +109,21 @@ def test_gpu_stage_script_with_cluster_settings_and_container(tmp_path):
     ]
     exports = [ln for ln in text.splitlines() if ln.startswith("export ")]
     assert exports[2:] == ["export PYTHONUNBUFFERED=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
-                           "export NCCL_DEBUG=WARN"]  # null values are skipped
+                           "export NCCL_DEBUG=WARN",  # null values are skipped
+                           "export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0"]
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_recipe_env_follows_pow2_scales_and_yields_to_env_vars(tmp_path):
+    from nemo_fp8rl.launcher import render_sbatch_script
+
+    def exports(*overrides):
+        (plan,) = plans("rl=tiny_grpo_blockwise", f"base_results_dir={tmp_path}", *overrides)
+        return [ln for ln in render_sbatch_script(plan).splitlines() if ln.startswith("export NVTE_")]
+
+    assert exports("+rl.fp8.pow2_scales=false") == ["export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"]
+    assert exports("+env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1") == ["export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"]
+    assert exports("rl.config_groups.fp8=tensorwise") == []
 
 
 def test_resolved_training_config_is_what_the_trainer_loads(tmp_path):

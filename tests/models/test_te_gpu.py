@@ -19,18 +19,9 @@ RECIPES = ["delayed", "tensorwise", "blockwise", "mxfp8"]
 
 
 def _supported(recipe: str) -> tuple[bool, str]:
-    try:
-        import transformer_engine.pytorch as te  # noqa: F401
-        from transformer_engine.pytorch import fp8 as te_fp8
-    except Exception as e:  # noqa: BLE001
-        return False, f"transformer_engine unavailable: {e}"
-    checks = {"delayed": "check_fp8_support", "tensorwise": "check_fp8_support",
-              "blockwise": "check_fp8_block_scaling_support", "mxfp8": "check_mxfp8_support"}
-    fn = getattr(te_fp8, checks[recipe], None)
-    if fn is None:
-        return False, f"this Transformer Engine has no {checks[recipe]}"
-    ok, reason = fn()
-    return ok, reason
+    from nemo_fp8rl.fp8.te import te_support
+
+    return te_support(recipe)
 
 
 def _build(recipe, use_te, **kw):
