@@ -55,27 +55,10 @@ def _te_support() -> dict:
     deprecated alias) and in ``transformer_engine.pytorch.fp8`` before; the block-scaling check exists
     from TE 2.3 (it also needs CUDA >= 12.9 on Hopper), MXFP8 needs sm100 (not sm120).
     """
-    try:
-        try:
-            from transformer_engine.pytorch import quantization as q  # TE >= 2.9
-        except ImportError:
-            from transformer_engine.pytorch import fp8 as q  # TE 2.0 - 2.8
-    except Exception as e:  # noqa: BLE001  (ImportError, or a CUDA/driver error raised at import)
-        reason = f"transformer_engine unavailable: {type(e).__name__}: {e}"
-        return {k: [False, reason] for k in ("fp8", "fp8_block_scaling", "mxfp8")}
-    out = {}
-    for key, fn_name in (("fp8", "check_fp8_support"), ("fp8_block_scaling", "check_fp8_block_scaling_support"),
-                         ("mxfp8", "check_mxfp8_support")):
-        fn = getattr(q, fn_name, None)
-        if fn is None:
-            out[key] = [False, f"this Transformer Engine has no {fn_name} (too old for this recipe)"]
-            continue
-        try:
-            ok, reason = fn()
-            out[key] = [bool(ok), str(reason or "")]
-        except Exception as e:  # noqa: BLE001
-            out[key] = [False, f"{fn_name} raised {type(e).__name__}: {e}"]
-    return out
+    from nemo_fp8rl.fp8.te import te_support
+
+    return {key: list(te_support(scaling)) for key, scaling in
+            (("fp8", "tensorwise"), ("fp8_block_scaling", "blockwise"), ("mxfp8", "mxfp8"))}
 
 
 def part_env(out: Path, dry: bool, left) -> dict:

@@ -61,7 +61,10 @@ def te_support(scaling: str) -> tuple[bool, str]:
         except ImportError:
             continue
         if fn is not None:
-            ok, reason = fn()
+            try:
+                ok, reason = fn()
+            except Exception as e:  # noqa: BLE001 - e.g. a CUDA error while querying the device
+                return False, f"{_SUPPORT_CHECKS[scaling]} raised {type(e).__name__}: {e}"
             return bool(ok), str(reason or "")
     return False, f"this Transformer Engine has no {_SUPPORT_CHECKS[scaling]}"
 
