@@ -261,6 +261,13 @@ class StabilityConfig:
     """Surge when entropy > surge_factor x running median."""
     window: int = 20
     """Running-median window in steps."""
+    invalid_threshold: float = 0.5
+    """Garbled output when a step's invalid-response rate (``rollout/invalid_frac``) exceeds this."""
+    action: str = "warn"
+    """warn | stop | none: on a step flagged unstable (surge or garbled), log a warning; ``stop``
+    also checkpoints and stops the run after ``patience`` consecutive flagged steps (exit code 3)."""
+    patience: int = 3
+    """Consecutive unstable steps before ``action=stop`` stops the run."""
 
 
 @dataclass
@@ -409,6 +416,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if o.grad_clip <= 0:
         raise ConfigError(f"optim.grad_clip={o.grad_clip} must be > 0")
     _choice("logger.progress", cfg.logger.progress, ["auto", "bar", "lines", "none"])
+    st = cfg.stability
+    _choice("stability.action", st.action, ["warn", "stop", "none"])
+    if st.patience < 1:
+        raise ConfigError(f"stability.patience={st.patience} must be >= 1")
+    if not (0 <= st.invalid_threshold < 1):
+        raise ConfigError(f"stability.invalid_threshold={st.invalid_threshold} must be in [0, 1) "
+                          "(the invalid-response rate above which a step counts as garbled)")
     _choice("task.on_error", cfg.task.on_error, ["raise", "skip"])
     w = cfg.warmup
     if w.steps < 0 or w.batch_size < 1 or w.eval_interval < 1 or w.eval_size < 1:

@@ -159,6 +159,7 @@ class RLTrainer:
         self.step_idx = 0
         self.consecutive_skips = 0
         self.skipped_total = 0
+        self.unstable_steps = 0  # consecutive steps flagged by the stability monitor
         self._stop_signal: Optional[int] = None
         # Preemption (SIGUSR1 from SLURM, SIGTERM) and Ctrl-C from the start, so a signal during
         # warm-up is not lost: the first RL step finishes, checkpoints and exits.
@@ -357,10 +358,31 @@ class RLTrainer:
         ent = out.get("policy/entropy")
         if ent is not None and math.isfinite(ent):
             out.update(metrics_to_floats(self.monitor.update(ent)))
+        self._stability(out)
         timings["step"] = time.perf_counter() - t_step
         out.update({f"timing/{k}": v for k, v in timings.items()})
         self.step_idx += 1
         return out
+
+    def _stability(self, out: Dict[str, float]) -> None:
+        """Garbled-output flag and the monitor's action (DESIGN.md section 7), on the synced metrics.
+
+        ``stability/garbled = 1 if rollout/invalid_frac > stability.invalid_threshold``;
+        ``stability/unstable_steps`` counts consecutive steps with a surge or garbled output.
+        """
+        st = self.cfg.stability
+        garbled = out.get("rollout/invalid_frac", 0.0) > st.invalid_threshold
+        surge = out.get("stability/entropy_surge", 0.0) > 0
+        out["stability/garbled"] = float(garbled)
+        self.unstable_steps = self.unstable_steps + 1 if (garbled or surge) else 0
+        out["stability/unstable_steps"] = float(self.unstable_steps)
+        if self.unstable_steps and st.action != "none":
+            logger.warning(
+                "step %d unstable (%s): entropy %.4f = %.2fx its running median, invalid responses %.1f%%; "
+                "%d consecutive unstable step(s)", self.step_idx,
+                " and ".join(w for w, f in (("entropy surge", surge), ("garbled output", garbled)) if f),
+                out.get("policy/entropy", math.nan), out.get("stability/entropy_ratio", math.nan),
+                100 * out.get("rollout/invalid_frac", math.nan), self.unstable_steps)
 
     def _make_loss(self, lower: float, upper: float, calibrating: bool, step: int, first_minibatch: bool):
         """The loss closure the actor evaluates per microbatch (on the last pipeline stage)."""
@@ -405,7 +427,8 @@ class RLTrainer:
             "monitor": self.monitor.state_dict(),
             "rng": {"rollout": self.rollout_gen.get_state(), "shuffle": self.shuffle_gen.get_state(),
                     "torch": torch.get_rng_state()},
-            "counters": {"consecutive_skips": self.consecutive_skips, "skipped_total": self.skipped_total},
+            "counters": {"consecutive_skips": self.consecutive_skips, "skipped_total": self.skipped_total,
+                         "unstable_steps": self.unstable_steps},
         }
 
     def _restore(self, st: dict) -> None:
@@ -420,6 +443,7 @@ class RLTrainer:
         torch.set_rng_state(st["rng"]["torch"])
         self.consecutive_skips = st["counters"]["consecutive_skips"]
         self.skipped_total = st["counters"]["skipped_total"]
+        self.unstable_steps = st["counters"].get("unstable_steps", 0)  # absent in checkpoints before it existed
 
     def save_checkpoint(self) -> Path:
         return self.ckpt.save(self.step_idx, self._state(), model_fingerprint(self.cfg))
@@ -447,6 +471,16 @@ class RLTrainer:
                         f"{self.consecutive_skips} consecutive updates had a non-finite loss or gradient and were "
                         f"skipped (trainer.max_consecutive_skips={t.max_consecutive_skips}); checkpoint of the last "
                         f"good state saved at step {self.step_idx}. Lower optim.lr or check the FP8 recipe."
+                    )
+                if self.cfg.stability.action == "stop" and self.unstable_steps >= self.cfg.stability.patience:
+                    self.save_checkpoint()
+                    raise StopTraining(
+                        f"{self.unstable_steps} consecutive steps flagged unstable (entropy surge above "
+                        f"stability.surge_factor={self.cfg.stability.surge_factor} x its running median, or invalid "
+                        f"responses above stability.invalid_threshold={self.cfg.stability.invalid_threshold}); "
+                        f"stability.action=stop, stability.patience={self.cfg.stability.patience}. Checkpoint saved at "
+                        f"step {self.step_idx}; see metrics.jsonl (stability/*). Enable calibration=paper, lower "
+                        "optim.lr, or set stability.action=warn to continue."
                     )
                 if _should_stop(self._stop_signal):
                     self.save_checkpoint()

@@ -86,3 +86,25 @@ def test_multirun_gives_each_job_its_own_run_dir(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(metrics(sweep / "0")) == 1 and len(metrics(sweep / "1")) == 1
     assert metrics(sweep / "0")[0]["reward/mean"] is not None
+
+
+def test_stability_action_stop_checkpoints_and_stops_on_garbled_output(tmp_path):
+    """A barely warmed-up model (8 warm-up steps) answers mostly garbage: with stability.action=stop and
+    patience 2, the run stops after the second garbled step with exit code 3, a checkpoint of that step
+    and the flags in metrics.jsonl; resuming continues the count (restored from the checkpoint)."""
+    out = tmp_path / "run"
+    proc = run_cli(out, "stability.action=stop", "stability.patience=2", "trainer.max_steps=10", check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "stability.action=stop" in proc.stderr and "Checkpoint saved at step 2" in proc.stderr
+    recs = metrics(out)
+    assert [r["stability/garbled"] for r in recs] == [1.0, 1.0]
+    assert [r["stability/unstable_steps"] for r in recs] == [1.0, 2.0]
+    assert all(r["rollout/invalid_frac"] > 0.5 for r in recs)
+    assert (out / "checkpoints" / "step_2").is_dir()
+    again = run_cli(out, "stability.action=stop", "stability.patience=2", "trainer.max_steps=10", "resume=true",
+                    check=False)
+    assert again.returncode == 3 and "3 consecutive steps flagged unstable" in again.stderr
+    # with the default action (warn) the same run continues and only logs
+    warn = run_cli(tmp_path / "warn", "trainer.max_steps=3")
+    assert "unstable (garbled output)" in warn.stderr
+    assert len(metrics(tmp_path / "warn")) == 3

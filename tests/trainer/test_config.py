@@ -38,6 +38,9 @@ def cfg_with(**changes):
     ({"model__num_query_groups": 3}, "multiple of model.num_query_groups=3"),
     ({"optim__lr": -1.0}, "optim.lr=-1.0"),
     ({"logger__progress": "fancy"}, "logger.progress"),
+    ({"stability__action": "halt"}, "stability.action='halt'"),
+    ({"stability__patience": 0}, "stability.patience=0"),
+    ({"stability__invalid_threshold": 1.0}, "stability.invalid_threshold=1.0 must be in [0, 1)"),
 ])
 def test_rejects_with_key_and_fix(changes, needle):
     with pytest.raises(ConfigError, match=None) as e:
