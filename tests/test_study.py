@@ -40,6 +40,9 @@ def test_long_group_runs_resumes_and_summarizes(tmp_path):
     out = tmp_path / "study"
     cmd = [sys.executable, str(RUN_STUDY), "--out", str(out), "--only", "long", "--seeds", "1", "--long-steps", "2",
            "--jobs", "2", "--extra", *TINY]
+    out.mkdir()
+    earlier = {"group": "main", "name": "grpo/bf16/seed9", "seed": 9, "overrides": ["algorithm=grpo"]}
+    (out / "study.json").write_text(json.dumps({"steps": 60, "runs": [earlier], "common": []}))
     first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "3/3 runs ok" in first.stdout
@@ -49,6 +52,10 @@ def test_long_group_runs_resumes_and_summarizes(tmp_path):
     # a finished run is skipped on the second call (the study is resumable)
     second = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert second.returncode == 0 and second.stdout.count(": rc=0 0s") == 3, second.stdout
+    # study.json records every run planned into the directory, each once (an earlier slice's runs stay)
+    recorded = [r["name"] for r in json.loads((out / "study.json").read_text())["runs"]]
+    assert sorted(recorded) == sorted(["grpo/bf16/seed9"] + [f"e5m2_lr2e-4/{a}/seed1" for a in
+                                                               ("bf16", "fp8", "fp8_calibrated")])
 
     doc, figs = tmp_path / "results.md", tmp_path / "figs"
     subprocess.run([sys.executable, str(SUMMARIZE), "--study", str(out), "--doc", str(doc), "--figures", str(figs),

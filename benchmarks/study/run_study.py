@@ -155,8 +155,13 @@ def main() -> None:
         return
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    (out / "study.json").write_text(json.dumps({"steps": args.steps, "long_steps": args.long_steps, "runs": runs,
-                                                "common": COMMON}, indent=1))
+    # the record of every run ever planned into this directory: a slice (--only/--seeds) adds its runs
+    meta_path = out / "study.json"
+    known = json.loads(meta_path.read_text())["runs"] if meta_path.is_file() else []
+    names = {(r["group"], r["name"]) for r in runs}
+    merged = [r for r in known if (r["group"], r["name"]) not in names] + runs
+    meta_path.write_text(json.dumps({"steps": args.steps, "long_steps": args.long_steps, "runs": merged,
+                                     "common": COMMON}, indent=1))
     # warm-ups first, one per seed (cached, shared by every run of that seed), so parallel jobs never
     # compute the same warm-up twice
     seeds = sorted({r["seed"] for r in runs})
