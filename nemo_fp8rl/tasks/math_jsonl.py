@@ -57,7 +57,13 @@ class MathJsonlTask(Task):
         prompt_template: Python format string with ``{prompt}``, applied to each prompt (before the chat template).
         format_reward: reward of a well-formed (boxed) wrong answer; 0 disables it.
         shuffle: reshuffle the rows each epoch (False = file order).
-        seed: seed of the shuffling.
+        seed: seed of the shuffling (and of the task's other draws).
+        shard_rank, num_shards: this data-parallel rank's share of each epoch: every rank draws the same
+            per-epoch permutation (from ``shuffle_seed``) and keeps the rows at positions
+            ``shard_rank, shard_rank + num_shards, ...`` of its first ``num_shards * (N // num_shards)``
+            entries, so the ranks see disjoint rows and equally long epochs (up to ``num_shards - 1``
+            rows of an epoch, different ones each epoch, are left out). ``num_shards=1``: all rows.
+        shuffle_seed: seed of the shared permutation (the same on every rank); None = ``seed``.
         reward_timeout_s: per-call reward timeout in seconds.
         tokenizer: None (character tokenizer), a Hugging Face checkpoint/tokenizer directory, or a
             tokenizer object with the ``Tokenizer`` interface.
@@ -80,8 +86,19 @@ class MathJsonlTask(Task):
         reward_timeout_s: float = 5.0,
         tokenizer: Any = None,
         chat_template: bool = True,
+        shard_rank: int = 0,
+        num_shards: int = 1,
+        shuffle_seed: int | None = None,
     ) -> None:
         super().__init__(seed=seed, reward_timeout_s=reward_timeout_s)
+        if not (isinstance(num_shards, int) and num_shards >= 1 and isinstance(shard_rank, int)
+                and 0 <= shard_rank < num_shards):
+            raise ValueError(f"shard_rank={shard_rank!r} / num_shards={num_shards!r}: need 0 <= shard_rank < num_shards")
+        self.shard_rank, self.num_shards = shard_rank, num_shards
+        # one permutation per epoch, identical on every rank (its own generator, so the task's other
+        # draws keep their per-rank seed); without sharding it is the task's generator, as before
+        self.order_generator = (self.generator if shuffle_seed is None
+                                else torch.Generator().manual_seed(int(shuffle_seed)))
         if on_error not in ("raise", "skip"):
             raise ValueError(f"task.on_error={on_error!r} is not valid; use 'raise' or 'skip'")
         if not (isinstance(max_prompt_len, int) and max_prompt_len >= 2):
@@ -126,6 +143,9 @@ class MathJsonlTask(Task):
             log.warning("%s: skipped %d malformed rows (%s)", self.path, self.skipped_rows, dict(self.skipped_by_reason))
         if not self.rows:
             raise JsonlDataError(f"{self.path}: no usable rows (skipped {dict(self.skipped_by_reason)})")
+        if len(self.rows) < num_shards:
+            raise JsonlDataError(f"{self.path}: {len(self.rows)} usable rows cannot be shared by {num_shards} "
+                                 "data-parallel ranks (each needs at least one); use a larger file or fewer ranks")
         self.epoch, self.cursor = 0, 0
         self.order = self._new_order()
 
@@ -190,8 +210,12 @@ class MathJsonlTask(Task):
 
     # ---------------------------------------------------------------- data stream
     def _new_order(self) -> list[int]:
+        """This rank's row indices for the next epoch (see ``shard_rank`` / ``num_shards``)."""
         n = len(self.rows)
-        return torch.randperm(n, generator=self.generator).tolist() if self.shuffle else list(range(n))
+        order = torch.randperm(n, generator=self.order_generator).tolist() if self.shuffle else list(range(n))
+        if self.num_shards == 1:
+            return order
+        return order[: n - n % self.num_shards][self.shard_rank :: self.num_shards]
 
     def prompts(self, n: int, generator: torch.Generator | None = None) -> list[Prompt]:
         """Next ``n`` rows of the (per-epoch shuffled) stream; with ``generator``: ``n`` rows drawn uniformly
@@ -211,7 +235,8 @@ class MathJsonlTask(Task):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "epoch": self.epoch, "cursor": self.cursor, "order": list(self.order),
-                "num_rows": len(self.rows)}
+                "num_rows": len(self.rows), "shard": [self.shard_rank, self.num_shards],
+                "order_generator": self.order_generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("num_rows") != len(self.rows):
@@ -219,8 +244,14 @@ class MathJsonlTask(Task):
                 f"task state was saved with {state.get('num_rows')} rows but {self.path} now has {len(self.rows)} "
                 "usable rows; resume with the same data file"
             )
+        shard = list(state.get("shard", [0, 1]))  # checkpoints from before sharding: one shard
+        if shard != [self.shard_rank, self.num_shards]:
+            raise ValueError(f"task state was saved by data-parallel rank {shard[0]} of {shard[1]}, this is rank "
+                             f"{self.shard_rank} of {self.num_shards}; resume with the same layout")
         super().load_state_dict(state)
         self.epoch, self.cursor, self.order = int(state["epoch"]), int(state["cursor"]), list(state["order"])
+        if "order_generator" in state and self.order_generator is not self.generator:
+            self.order_generator.set_state(state["order_generator"])
 
     # ---------------------------------------------------------------- rewards
     @property

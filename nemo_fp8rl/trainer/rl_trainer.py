@@ -55,12 +55,16 @@ from nemo_fp8rl.trainer.logger import MetricsLogger
 logger = logging.getLogger(__name__)
 
 
-def task_kwargs(cfg: TrainConfig, factory, seed: int) -> dict:
-    """The TaskConfig fields the task's constructor accepts, plus its prompt-stream seed."""
+def task_kwargs(cfg: TrainConfig, factory, seed: int, dp_rank: int = 0, dp_size: int = 1) -> dict:
+    """The TaskConfig fields the task's constructor accepts, plus its prompt-stream seed and, for a task
+    that reads a dataset (``num_shards`` in its signature) under data parallelism, this rank's shard of
+    each epoch with a permutation seed shared by all ranks (``cfg.seed * 1000 + 29``)."""
     params = inspect.signature(factory).parameters
     kw = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "name" and k in params}
     if "seed" in params:
         kw["seed"] = seed
+    if dp_size > 1 and "num_shards" in params:
+        kw.update(shard_rank=dp_rank, num_shards=dp_size, shuffle_seed=cfg.seed * 1000 + 29)
     return kw
 
 
@@ -97,10 +101,12 @@ class RLTrainer:
         a = cfg.algorithm
         self.out = Path(cfg.output_dir)
         _check_writable(self.out)
-        # Each data-parallel rank draws its own prompt stream (the task's own RNG, saved in checkpoints).
+        # Each data-parallel rank draws its own prompt stream (the task's own RNG, saved in checkpoints);
+        # a dataset task gives each rank a disjoint share of every epoch.
         init_distributed(cfg.parallel, cfg.model)
         dp_rank = ps.get_data_parallel_rank()
-        task_kw = task_kwargs(cfg, task_class(cfg.task.name), seed=cfg.seed * 1000 + 29 + dp_rank)
+        task_kw = task_kwargs(cfg, task_class(cfg.task.name), seed=cfg.seed * 1000 + 29 + dp_rank,
+                              dp_rank=dp_rank, dp_size=ps.get_data_parallel_world_size())
         if cfg.model.hf_path:  # a pretrained policy speaks its own tokenizer (and chat template)
             if "tokenizer" not in inspect.signature(task_class(cfg.task.name)).parameters:
                 raise ValueError(

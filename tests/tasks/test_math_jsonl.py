@@ -134,6 +134,43 @@ def test_stream_epochs_and_exact_resume(tmp_path):
         fewer.load_state_dict(state)
 
 
+def test_data_parallel_shards_are_disjoint_per_epoch_and_resume(tmp_path):
+    rows = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(11)]
+    path = write(tmp_path, rows)
+    # per-rank seeds differ (as the trainer passes them); the permutation seed is shared
+    shards = [get_task("math_jsonl", path=path, seed=100 + r, shard_rank=r, num_shards=3, shuffle_seed=7)
+              for r in range(3)]
+    for epoch in range(3):
+        seen = [[p.text for p in t.prompts(3)] for t in shards]  # 11 // 3 = 3 rows per rank and epoch
+        flat = [x for s in seen for x in s]
+        assert len(set(flat)) == 9, f"epoch {epoch}: ranks overlap"
+        assert all(t.epoch == epoch and t.cursor == 3 for t in shards)
+    state = shards[1].state_dict()
+    after = [p.text for p in shards[1].prompts(7)]
+    again = get_task("math_jsonl", path=path, seed=101, shard_rank=1, num_shards=3, shuffle_seed=7)
+    again.load_state_dict(state)
+    assert [p.text for p in again.prompts(7)] == after
+    with pytest.raises(ValueError, match="rank 1 of 3, this is rank 0 of 3"):
+        get_task("math_jsonl", path=path, seed=100, shard_rank=0, num_shards=3, shuffle_seed=7).load_state_dict(state)
+    with pytest.raises(JsonlDataError, match="4 usable rows cannot be shared by 5"):
+        get_task("math_jsonl", path=write(tmp_path, GOOD, "four.jsonl"), shard_rank=0, num_shards=5)
+    with pytest.raises(ValueError, match="shard_rank=3 / num_shards=3"):
+        get_task("math_jsonl", path=path, shard_rank=3, num_shards=3)
+
+
+def test_trainer_gives_dataset_tasks_a_shard_per_data_parallel_rank(tmp_path):
+    from nemo_fp8rl.config.schema import TrainConfig
+    from nemo_fp8rl.tasks import task_class
+    from nemo_fp8rl.trainer.rl_trainer import task_kwargs
+
+    cfg = TrainConfig(seed=2)
+    cfg.task.name, cfg.task.path = "math_jsonl", write(tmp_path, GOOD)
+    kw = task_kwargs(cfg, task_class("math_jsonl"), seed=2029 + 1, dp_rank=1, dp_size=2)
+    assert (kw["seed"], kw["shard_rank"], kw["num_shards"], kw["shuffle_seed"]) == (2030, 1, 2, 2029)
+    assert "num_shards" not in task_kwargs(cfg, task_class("math_jsonl"), seed=2029, dp_rank=0, dp_size=1)
+    assert "num_shards" not in task_kwargs(cfg, task_class("arithmetic"), seed=2029, dp_rank=1, dp_size=2)
+
+
 def test_warmup_examples_teach_the_boxed_format(tmp_path):
     task = get_task("math_jsonl", path=write(tmp_path, GOOD))
     tokens, mask = task.warmup_examples(6, torch.Generator().manual_seed(0))
