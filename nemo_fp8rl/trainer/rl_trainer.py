@@ -382,13 +382,15 @@ class RLTrainer:
         out["stability/garbled"] = float(garbled)
         self.unstable_steps = self.unstable_steps + 1 if (garbled or surge) else 0
         out["stability/unstable_steps"] = float(self.unstable_steps)
-        if self.unstable_steps and st.action != "none":
+        # a warning when a streak starts and every `window` steps of it (a long streak would flood the log)
+        if self.unstable_steps and st.action != "none" and (self.unstable_steps - 1) % st.window == 0:
             logger.warning(
                 "step %d unstable (%s): entropy %.4f = %.2fx its running median, invalid responses %.1f%%; "
-                "%d consecutive unstable step(s)", self.step_idx,
+                "%d consecutive unstable step(s) (repeated every stability.window=%d steps while it lasts)",
+                self.step_idx,
                 " and ".join(w for w, f in (("entropy surge", surge), ("garbled output", garbled)) if f),
                 out.get("policy/entropy", math.nan), out.get("stability/entropy_ratio", math.nan),
-                100 * out.get("rollout/invalid_frac", math.nan), self.unstable_steps)
+                100 * out.get("rollout/invalid_frac", math.nan), self.unstable_steps, st.window)
 
     def _make_loss(self, lower: float, upper: float, calibrating: bool, step: int, first_minibatch: bool):
         """The loss closure the actor evaluates per microbatch (on the last pipeline stage)."""

@@ -25,8 +25,9 @@ def _job(jid: str) -> dict:
     return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
 
-def _logs(d: Path) -> str:
-    return "".join(f"\n--- {p.name}\n{p.read_text()[-6000:]}" for p in sorted(d.glob("log-*")))
+def _logs(d: Path, tail: int | None = None) -> str:
+    """The job's log files (whole, or the last ``tail`` characters of each for assertion messages)."""
+    return "".join(f"\n--- {p.name}\n{p.read_text()[-tail if tail else 0:]}" for p in sorted(d.glob("log-*")))
 
 
 def _wait_done(jid: str, d: Path, seen: list) -> dict:
@@ -86,7 +87,8 @@ def test_usr1_checkpoints_requeues_and_resumes(tmp_path, warm_cache):
     subprocess.run(["scancel", "--signal=USR1", jid], check=True, timeout=30)
     info = _wait_done(jid, d, seen)
     logs = _logs(d)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (info, seen, logs)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (info, seen,
+                                                                                                   _logs(d, 6000))
     # running, then back in the queue after the requeue (PENDING, restart count 1), running again, done
     states = [s for s, _ in seen]
     assert ("RUNNING", 0) in seen and ("RUNNING", 1) in seen and seen[-1] == ("COMPLETED", 1), seen
