@@ -68,6 +68,8 @@ class TorchRolloutEngine:
         fp8_scheme: rollout FP8 scheme name or object (:func:`resolve_rollout_scheme`).
         train_recipe: training FP8 recipe (only for ``"same_as_train"``).
         eos_id, pad_id: end-of-sequence and padding token ids.
+        eos_ids: every id that ends a response (e.g. Qwen3's ``<|im_end|>`` and ``<|endoftext|>``, from
+            ``generation_config.json``); None = ``(eos_id,)``. ``eos_id`` is added if missing.
         device: where the weights, cache and forward live (outputs are returned on CPU).
         dtype: compute dtype of activations and stored weights (float32 on CPU; bfloat16 on GPU).
     """
@@ -82,6 +84,7 @@ class TorchRolloutEngine:
         train_recipe: Any = None,
         eos_id: int,
         pad_id: int,
+        eos_ids: Sequence[int] | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -89,6 +92,8 @@ class TorchRolloutEngine:
         self.scheme = resolve_rollout_scheme(fp8_scheme, train_recipe)
         self.scheme_name = fp8_scheme if isinstance(fp8_scheme, str) else type(fp8_scheme).__name__
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_id, *(int(i) for i in (eos_ids or ()))]))
+        self._eos = torch.tensor(self.eos_ids, dtype=torch.long)
         self.device = torch.device(device)
         self.dtype = dtype
         self.weights: RolloutWeights | None = None
@@ -198,7 +203,7 @@ class TorchRolloutEngine:
             if step == N - 1:
                 break
             if params.stop_on_eos:
-                done = tok_cpu == self.eos_id
+                done = torch.isin(tok_cpu, self._eos)
                 if bool(done.any()):
                     keep = (~done).nonzero().squeeze(1)
                     if keep.numel() == 0:
@@ -209,8 +214,8 @@ class TorchRolloutEngine:
                     tok = tok[keep_dev]
             logits = forward_decode(self.shape, w, self.scheme, tok, pos.to(self.device), cache)
         if params.stop_on_eos:
-            # A row stopped on EOS iff its last response token is EOS (with stop_on_eos, nothing follows one).
-            finished = tokens[torch.arange(B), lens + resp - 1] == self.eos_id
+            # A row stopped on EOS iff its last response token is one (with stop_on_eos, nothing follows one).
+            finished = torch.isin(tokens[torch.arange(B), lens + resp - 1], self._eos)
 
         T = int((lens + resp).max())
         pos = torch.arange(T).unsqueeze(0)

@@ -200,11 +200,12 @@ class Task(ABC):
         return self.warmup_generator if warmup else self.generator
 
     def response_text(self, ids: Sequence[int]) -> str:
-        """Decode a response: the tokens before its first EOS (the EOS itself and anything after dropped)."""
+        """Decode a response: the tokens before its first EOS (any of the tokenizer's ``eos_ids``; the EOS
+        itself and anything after dropped)."""
         ids = [int(i) for i in ids]
-        if self.tokenizer.eos_id in ids:
-            ids = ids[: ids.index(self.tokenizer.eos_id)]
-        return self.tokenizer.decode(ids)
+        stops = set(getattr(self.tokenizer, "eos_ids", ())) | {self.tokenizer.eos_id}
+        end = next((k for k, i in enumerate(ids) if i in stops), len(ids))
+        return self.tokenizer.decode(ids[:end])
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> Scores:
         """Score ``responses[i]`` against ``prompts[i].answer``; see :class:`Scores`.

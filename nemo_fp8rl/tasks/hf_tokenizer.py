@@ -14,7 +14,7 @@ sampler need:
 - EOS: ``eos_id`` is the tokenizer's ``eos_token`` (for chat checkpoints the end-of-turn token, e.g.
   Qwen's ``<|im_end|>``, Llama-3-Instruct's ``<|eot_id|>``), else the first ``eos_token_id`` of
   ``generation_config.json``. ``eos_ids`` holds all of them (generation_config.json often lists
-  several: Qwen3 ``[<|im_end|>, <|endoftext|>]``); the rollout engine stops on ``eos_id``.
+  several: Qwen3 ``[<|im_end|>, <|endoftext|>]``); the rollout engine stops on any of them.
 - ``pad_id``: the tokenizer's pad token, else ``eos_id`` (Llama-3 has none; pads are masked anyway).
 - ``bos_id``: the BOS token id, or None when the tokenizer has none (Qwen); prompts come from
   :meth:`encode_prompt`, which knows whether to add one.

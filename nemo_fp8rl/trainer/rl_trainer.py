@@ -139,7 +139,7 @@ class RLTrainer:
         scheme = cfg.rollout.fp8.scheme if self.recipe is not None else "off"
         self.engine = get_rollout_engine(
             cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
-            eos_id=tok.eos_id, pad_id=tok.pad_id,
+            eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None),
         )
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,

@@ -187,6 +187,9 @@ def test_eos_stops_a_row_and_masks_follow():
         assert out.mask[b, end - 1] == 1 and (out.mask[b, end:] == 0).all()
         assert (out.rollout_logp[b, end:] == 0).all() and (out.rollout_logp[b, : len(RAGGED[b])] == 0).all()
     assert out.tokens.shape[1] == int((out.prompt_lens + out.response_lens).max())
+    # several end ids (generation_config.json lists e.g. <|im_end|> and <|endoftext|>): any one stops a row
+    multi = make_engine(cfg, eos_id=999, eos_ids=[eos]).generate(RAGGED, params, g)
+    assert multi.responses() == out.responses() and torch.equal(multi.finished, out.finished)
 
 
 def test_bad_inputs_are_rejected_with_the_fix():

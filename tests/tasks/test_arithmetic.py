@@ -76,6 +76,14 @@ def test_response_text_cuts_at_first_eos(task):
     assert task.response_text([t.eos_id]) == ""
 
 
+def test_response_text_cuts_at_any_of_several_eos_ids(task, monkeypatch):
+    """HF chat tokenizers end responses with any of ``eos_ids`` (Qwen3: <|im_end|> and <|endoftext|>)."""
+    t = task.tokenizer
+    plus = t.encode("+")[0]
+    monkeypatch.setattr(t, "eos_ids", (t.eos_id, plus), raising=False)
+    assert task.response_text(t.encode("05") + [plus] + t.encode("79") + [t.eos_id]) == "05"
+
+
 def test_warmup_examples_are_correct_sums(task):
     tokens, mask = task.warmup_examples(32)
     assert tokens.shape == mask.shape == (32, 14) and tokens.dtype == torch.long
