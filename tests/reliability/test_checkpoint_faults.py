@@ -1,6 +1,5 @@
 """Checkpoints survive kill -9 at any moment and refuse corrupt, truncated or mismatched files."""
 
-import os
 import random
 import signal
 import subprocess
@@ -95,19 +94,13 @@ def test_keep_last_and_latest_pointer(tmp_path):
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_disk_full_leaves_no_partial_checkpoint(tmp_path):
+def test_disk_full_leaves_no_partial_checkpoint(small_tmpfs):
     """A real full filesystem (tmpfs of 1 MiB): the write fails clearly, older checkpoints survive."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
-        mgr = CheckpointManager(str(mnt), keep_last=3)
-        mgr.save(1, {"step": 1, "w": torch.zeros(1000)}, FP)
-        with pytest.raises(CheckpointError, match="partial checkpoint was removed"):
-            mgr.save(2, {"step": 2, "w": torch.zeros(1_000_000)}, FP)  # 4 MB does not fit
-        names = sorted(p.name for p in (mnt / "checkpoints").iterdir())
-        assert names == ["latest", "step_1"], names
-        assert mgr.load(mgr.latest_step(), FP)["step"] == 1
-    finally:
-        subprocess.run(["umount", str(mnt)])
+    mnt = small_tmpfs("1m")
+    mgr = CheckpointManager(str(mnt), keep_last=3)
+    mgr.save(1, {"step": 1, "w": torch.zeros(1000)}, FP)
+    with pytest.raises(CheckpointError, match="partial checkpoint was removed"):
+        mgr.save(2, {"step": 2, "w": torch.zeros(1_000_000)}, FP)  # 4 MB does not fit
+    names = sorted(p.name for p in (mnt / "checkpoints").iterdir())
+    assert names == ["latest", "step_1"], names
+    assert mgr.load(mgr.latest_step(), FP)["step"] == 1

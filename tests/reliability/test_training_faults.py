@@ -1,6 +1,5 @@
 """Faults during training: kill -9 + resume, non-finite updates, a full disk, an unwritable output dir."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -115,20 +114,14 @@ def test_unwritable_output_dir_fails_before_training(tmp_path):
     assert "is not writable" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_disk_full_during_a_run_fails_clearly_and_keeps_metrics(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
-        out = mnt / "run"
-        proc = run_cli(out, "trainer.max_steps=2", "trainer.checkpoint_interval=1", check=False)
-        assert proc.returncode == 1, proc.stderr[-2000:]
-        assert "checkpoint failed" in proc.stderr and "partial checkpoint was removed" in proc.stderr
-        assert [r["step"] for r in metrics(out)] == [0]
-        assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith((".tmp", "step_"))]
-    finally:
-        subprocess.run(["umount", str(mnt)])
+def test_disk_full_during_a_run_fails_clearly_and_keeps_metrics(small_tmpfs):
+    mnt = small_tmpfs("2m")
+    out = mnt / "run"
+    proc = run_cli(out, "trainer.max_steps=2", "trainer.checkpoint_interval=1", check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "checkpoint failed" in proc.stderr and "partial checkpoint was removed" in proc.stderr
+    assert [r["step"] for r in metrics(out)] == [0]
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith((".tmp", "step_"))]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
