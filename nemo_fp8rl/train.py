@@ -62,8 +62,8 @@ def prepare(cfg):
     if cfg.trainer.cpu_threads and not torch.cuda.is_available():
         torch.set_num_threads(cfg.trainer.cpu_threads)
     trainer = RLTrainer(cfg)
-    trainer.check_run_dir()
-    resuming = cfg.resume and trainer.ckpt.latest_step() is not None
+    # One decision for all ranks (rank 0 looks, everyone follows) before anything is written.
+    resuming = trainer.decide_start() is not None
     warm = None if resuming else run_warmup(cfg, trainer.model_cfg, trainer.task)
     trainer.setup(warm_start=warm)
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:

@@ -175,23 +175,60 @@ class RLTrainer:
                 self._old_handlers[s] = signal.signal(s, self._on_signal)
             except ValueError:  # not the main thread (library use): the caller handles signals
                 pass
+        self._start_decided = False  # decide_start(): fresh or resume, once for all ranks
+        self._resume_step: Optional[int] = None
         self.logger: Optional[MetricsLogger] = None
         self._log_file: Optional[logging.Handler] = None
 
     # ------------------------------------------------------------------ setup
     def check_run_dir(self) -> None:
-        """Refuse to start a fresh run in a directory that holds another run (nothing is overwritten)."""
+        """Refuse to start a fresh run in a directory that holds another run (nothing is overwritten).
+
+        Local check of this process's view of ``output_dir``; a multi-rank run decides through
+        :meth:`decide_start`, which runs this on global rank 0 only.
+        """
         if not self.cfg.resume and (self.ckpt.steps() or (self.out / "metrics.jsonl").exists()):
             raise ValueError(
                 f"{self.out} already holds a run (checkpoints {self.ckpt.steps()}); pass resume=true to continue "
                 "that run or choose a new output_dir (nothing was overwritten)"
             )
 
+    def decide_start(self) -> Optional[int]:
+        """Fresh start or resume, decided once for all ranks before any rank writes to ``output_dir``.
+
+        Global rank 0 checks the run directory (:meth:`check_run_dir`) and picks the checkpoint to resume
+        from; its answer, or its error, is broadcast to every rank. Deciding on every rank separately was a
+        race: rank 0 creates ``metrics.jsonl`` in :meth:`setup`, and a slower rank that looked at the
+        directory after that refused a fresh run as "already holds a run" while rank 0 went on into the
+        first collective. Now every rank starts the same way or raises the same error. Memoised: the
+        first call decides (it is a collective: call it on every rank), later calls return the decision.
+
+        Returns:
+            The checkpoint step to resume from, or None for a fresh start.
+        """
+        if self._start_decided:
+            return self._resume_step
+        answer: list = [None, None]  # [resume step, exception]
+        if self.rank == 0:
+            try:
+                self.check_run_dir()
+                answer[0] = self.ckpt.latest_step() if self.cfg.resume else None
+            except (ValueError, OSError) as e:
+                answer[1] = e
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from nemo_fp8rl.models.parallel import comm_device
+
+            dist.broadcast_object_list(answer, src=0, device=comm_device())
+        self._start_decided = True
+        self._resume_step, err = answer
+        if err is not None:
+            raise err
+        return self._resume_step
+
     def setup(self, *, warm_start: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Resume from the latest checkpoint (``resume=true``) or load warm-start weights; open the logger."""
-        self.check_run_dir()
         start = 0
-        latest = self.ckpt.latest_step() if self.cfg.resume else None
+        latest = self.decide_start()
         if latest is not None:
             self._restore(self.ckpt.load(latest, model_fingerprint(self.cfg)))
             start = self.step_idx
