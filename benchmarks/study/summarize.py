@@ -3,9 +3,10 @@
     python benchmarks/study/summarize.py --study runs/study --doc docs/results.md
 
 Per run: final reward and accuracy (mean of the last ``--last`` steps), final entropy (same window),
-entropy surge ratio (max over the run of ``stability/entropy_ratio`` = entropy / running median),
+entropy surge ratio (max over the run of ``stability/entropy_ratio``; the study's runs were made with
+the running-median monitor, before the lagged baseline of DESIGN.md section 7),
 entropy max / start (max entropy over the run / mean entropy of its first 5 steps: a surge that lasts
-becomes its own running median, this ratio still shows it), final rollout-trainer mismatch (mean
+became its own running median, this ratio still shows it), final rollout-trainer mismatch (mean
 ``mismatch/logp_abs_diff_mean`` over the last steps),
 ``clip/low_frac`` (mean over steps), ``calib/alpha_bf16``, ``calib/alpha_fp8_nominal`` and
 ``calib/false_clip_rate`` (means over calibration steps), invalid-output rate (mean), step time (mean).

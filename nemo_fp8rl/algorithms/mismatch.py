@@ -59,55 +59,63 @@ def mismatch_metrics(
 
 
 class EntropySurgeMonitor:
-    """Flags an entropy surge: entropy above ``factor`` x its running median (DESIGN.md section 7).
+    """Flags an entropy surge against a lagged baseline that does not follow the surge (DESIGN.md section 7).
 
-    At each step, with h the step's mean token entropy and med the median of the previous ``window``
-    values (the current one excluded)::
+    With h_t the mean token entropy of step t (t = 0, 1, ...) and w = ``window``, the baseline is the
+    median of the steps that end ``w`` steps before t::
 
-        stability/entropy_ratio = h / med
-        stability/entropy_surge = 1 if (history >= min_history and h > factor * med) else 0
+        B_t = median{h_s : max(0, t - 2w) <= s < max(1, t - w)}        (lower median for even counts)
+        stability/entropy_ratio = h_t / B_t
+        stability/entropy_surge = 1 if (h_t > factor * B_t and h_t - B_t > min_rise) else 0
 
-    and h is then appended to the history (surging values included, so a lasting new level stops
-    counting as a surge after about window/2 steps). Runs on the host once per step, after the metrics
-    were synced; ``state_dict``/``load_state_dict`` keep the history for exact resume.
+    From t = 2w on this is the median of steps [t - 2w, t - w), as DESIGN.md writes it. For a younger run
+    DESIGN.md says "the first window"; taken literally ([0, min(t, w)) while t < 2w) that baseline holds
+    the steps just before t and follows a surge that starts early - the study's lr 1e-3 collapse jumped
+    at step 1 and would never be flagged. Here the same lag applies from the start, clipped at step 0:
+    while t <= w the baseline is step 0 alone, then it grows over the first steps to w values at t = 2w.
+    Consequences (tests/algorithms/test_mismatch.py): a jump that stays up is flagged on every step until
+    the lagged window's median reaches the new level, at least w steps and about 1.5 w; a single-step
+    spike is flagged on that step only (it is one value of w once it enters a baseline); a slow decline
+    is never flagged (ratio < 1). ``min_rise`` (nats) keeps small absolute changes at low entropy from
+    counting as a surge. Step 0 has no baseline: ratio 1, no surge.
+
+    Runs on the host once per step, after the metrics were synced. The state is the last 2w values and
+    the surge count; ``state_dict``/``load_state_dict`` resume exactly.
 
     Args:
-        window: number of past values in the running median (>= 1).
+        window: baseline window and lag w in steps (>= 1).
         factor: surge threshold multiplier (> 1).
-        min_history: values needed before a surge can be flagged (1 <= min_history <= window).
+        min_rise: minimum absolute rise over the baseline, in nats (>= 0).
     """
 
-    def __init__(self, window: int = 20, factor: float = 2.0, min_history: int = 5) -> None:
+    def __init__(self, window: int = 20, factor: float = 1.5, min_rise: float = 0.05) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
-        if (
-            isinstance(min_history, bool)
-            or not isinstance(min_history, int)
-            or not 1 <= min_history <= window
-        ):
-            raise ValueError(f"min_history must be an int in [1, window={window}], got {min_history!r}")
         self.window = window
-        self.factor = check_number("factor", factor, low=1.0, low_open=True, hint="e.g. factor=2.0")
-        self.min_history = min_history
-        self._history: deque[float] = deque(maxlen=window)
+        self.factor = check_number("factor", factor, low=1.0, low_open=True, hint="e.g. factor=1.5")
+        self.min_rise = check_number("min_rise", min_rise, low=0.0, hint="e.g. min_rise=0.05")
+        self._history: deque[float] = deque(maxlen=2 * window)  # steps [max(0, t - 2w), t)
         self.surges = 0
 
     @property
-    def median(self) -> float:
-        """Median of the history (lower median for even length); NaN when empty."""
+    def baseline(self) -> float:
+        """B_t for the next step t (see the class docstring); NaN before the first step."""
         if not self._history:
             return math.nan
-        s = sorted(self._history)
+        s = sorted(list(self._history)[: max(1, len(self._history) - self.window)])
         return s[(len(s) - 1) // 2]
 
     def update(self, entropy: float | torch.Tensor) -> dict[str, Metric]:
-        """Feed one step's mean entropy; returns ``stability/entropy_{surge,ratio}`` metrics."""
+        """Feed step t's mean token entropy h_t; returns ``stability/entropy_{surge,ratio}`` (0-dim metrics)."""
         h = float(entropy)
         if not math.isfinite(h):
             raise ValueError(f"entropy must be finite, got {h}; check the loss for NaN before the monitor")
-        med = self.median
-        ratio = h / med if med > 0 else (1.0 if math.isnan(med) or h == 0 else math.inf)
-        surge = len(self._history) >= self.min_history and h > self.factor * med
+        b = self.baseline
+        if math.isnan(b):
+            ratio, surge = 1.0, False
+        else:
+            ratio = h / b if b > 0 else (1.0 if h == 0 else math.inf)
+            surge = h > self.factor * b and h - b > self.min_rise
         self.surges += int(surge)
         self._history.append(h)
         return {
@@ -116,8 +124,11 @@ class EntropySurgeMonitor:
         }
 
     def state_dict(self) -> dict:
-        return {"history": list(self._history), "surges": self.surges}
+        return {"history": list(self._history), "surges": self.surges, "window": self.window}
 
     def load_state_dict(self, state: dict) -> None:
-        self._history = deque((float(x) for x in state["history"]), maxlen=self.window)
+        """Restore; a checkpoint written with another ``window`` (or by the running-median monitor, which
+        kept only w values) keeps the values it has, so the baselines of the next steps are computed from
+        fewer steps than an uninterrupted run would use."""
+        self._history = deque((float(x) for x in state["history"]), maxlen=2 * self.window)
         self.surges = int(state["surges"])

@@ -257,10 +257,13 @@ class LoggerConfig:
 class StabilityConfig:
     """Entropy-surge and garbled-output monitor."""
 
-    surge_factor: float = 2.0
-    """Surge when entropy > surge_factor x running median."""
+    surge_factor: float = 1.5
+    """Surge when entropy > surge_factor x its baseline B (and above B by surge_min_rise); B is the median
+    entropy of the ``window`` steps that end ``window`` steps before the current one (DESIGN.md section 7)."""
+    surge_min_rise: float = 0.05
+    """Surge only when entropy exceeds its baseline by more than this many nats."""
     window: int = 20
-    """Running-median window in steps."""
+    """Baseline window and lag, in steps."""
     invalid_threshold: float = 0.5
     """Garbled output when a step's invalid-response rate (``rollout/invalid_frac``) exceeds this."""
     action: str = "warn"
@@ -429,8 +432,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("warmup.steps must be >= 0, warmup.batch_size, eval_interval and eval_size >= 1")
     if w.target_accuracy is not None and not 0.0 < w.target_accuracy <= 1.0:
         raise ConfigError(f"warmup.target_accuracy={w.target_accuracy} must be in (0, 1] (or null to run all steps)")
-    if cfg.stability.window < 1 or cfg.stability.surge_factor <= 1.0:
-        raise ConfigError("stability.window must be >= 1 and stability.surge_factor > 1")
+    if cfg.stability.window < 1 or cfg.stability.surge_factor <= 1.0 or cfg.stability.surge_min_rise < 0:
+        raise ConfigError("stability.window must be >= 1, stability.surge_factor > 1 and stability.surge_min_rise "
+                          ">= 0")
     return cfg
 
 

@@ -156,7 +156,8 @@ class RLTrainer:
                 start_step=c.start_step, init_lower=c.init_lower, init_upper=c.init_upper, apply=c.apply,
                 seed=cfg.seed,
             )
-        self.monitor = EntropySurgeMonitor(window=cfg.stability.window, factor=cfg.stability.surge_factor)
+        self.monitor = EntropySurgeMonitor(window=cfg.stability.window, factor=cfg.stability.surge_factor,
+                                           min_rise=cfg.stability.surge_min_rise)
         # Every random draw of the loop comes from these generators (saved in checkpoints): resume is exact.
         dp = self.actor.dp_rank
         self.rollout_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + dp)
@@ -422,7 +423,7 @@ class RLTrainer:
         # a warning when a streak starts and every `window` steps of it (a long streak would flood the log)
         if self.unstable_steps and st.action != "none" and (self.unstable_steps - 1) % st.window == 0:
             logger.warning(
-                "step %d unstable (%s): entropy %.4f = %.2fx its running median, invalid responses %.1f%%; "
+                "step %d unstable (%s): entropy %.4f = %.2fx its baseline, invalid responses %.1f%%; "
                 "%d consecutive unstable step(s) (repeated every stability.window=%d steps while it lasts)",
                 self.step_idx,
                 " and ".join(w for w, f in (("entropy surge", surge), ("garbled output", garbled)) if f),
@@ -521,7 +522,7 @@ class RLTrainer:
                     self.save_checkpoint()
                     raise StopTraining(
                         f"{self.unstable_steps} consecutive steps flagged unstable (entropy surge above "
-                        f"stability.surge_factor={self.cfg.stability.surge_factor} x its running median, or invalid "
+                        f"stability.surge_factor={self.cfg.stability.surge_factor} x its lagged baseline, or invalid "
                         f"responses above stability.invalid_threshold={self.cfg.stability.invalid_threshold}); "
                         f"stability.action=stop, stability.patience={self.cfg.stability.patience}. Checkpoint saved at "
                         f"step {self.step_idx}; see metrics.jsonl (stability/*). Enable calibration=paper, lower "
