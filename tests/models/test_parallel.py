@@ -8,6 +8,8 @@ norms and the weights after two AdamW steps agree within float32 tolerance.
 import pytest
 import torch
 
+from tests._fp8_bounds import assert_fp8_paths_agree, fp8_noise_bound
+
 from . import _scenarios as S
 from ._dist import run_ranks
 
@@ -16,7 +18,15 @@ from ._dist import run_ranks
 def runs():
     from nemo_fp8rl.models import destroy_distributed
 
-    refs = {name: S.run_actor(cfg, par, fp8=fp8) for name, (cfg, par, fp8) in S.REFERENCES.items()}
+    # The references use 1 intra-op thread, as every rank of run_ranks does: another thread count may
+    # sum a float32 GEMM in another order and flip an FP8 rounding (tests/_fp8_bounds.py), and the PP
+    # comparison below is exact only because both sides compute the same GEMMs the same way.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {name: S.run_actor(cfg, par, fp8=fp8) for name, (cfg, par, fp8) in S.REFERENCES.items()}
+    finally:
+        torch.set_num_threads(threads)
     destroy_distributed()
     return refs, run_ranks("all_layouts")
 
@@ -25,12 +35,32 @@ def _ref_for(name):
     return {"A_pp2_fp8": "A_fp8", "A_tp2_mxfp8": "A_mxfp8"}.get(name, name[0])
 
 
+def _fp8_tp_matches(out, ref, hp, name):
+    """FP8 under TP against FP8 at TP=1: the row-parallel GEMMs sum their halves in another order, so
+    float noise can flip a rare FP8 rounding. Bounds that hold whatever the CPU (tests/_fp8_bounds.py):
+    tensors agree to float noise but for a few elements, each within the FP8 noise of the same quantity
+    (``hp``: the high-precision run of the same initial weights); scalar metrics differ by less than
+    their FP8 noise; the weights move as at TP=1 (difference of the updates well below the updates)."""
+    for key in ("lp0", "ent0", "lp0_t"):
+        assert_fp8_paths_agree(out[key], ref[key], float_tol=5e-5, fp8_noise=fp8_noise_bound(ref[key], hp[key]),
+                               what=f"{name} {key}")
+    for step in range(len(ref["metrics"])):
+        assert_fp8_paths_agree(out["logprobs"][step], ref["logprobs"][step], float_tol=5e-5,
+                               fp8_noise=fp8_noise_bound(ref["logprobs"][step], hp["logprobs"][step]),
+                               what=f"{name} logprobs after step {step}")
+        for key, val in ref["metrics"][step].items():
+            noise = abs(val - hp["metrics"][step][key])
+            assert abs(out["metrics"][step][key] - val) <= 1e-4 * abs(val) + 1e-5 + noise, (name, step, key)
+    upd_ref = torch.cat([(ref["final"][k] - ref["init"][k]).flatten() for k in ref["final"]])
+    upd_out = torch.cat([(out["final"][k] - ref["init"][k]).flatten() for k in ref["final"]])
+    assert float((upd_out - upd_ref).norm()) < 0.1 * float(upd_ref.norm()), name
+
+
 @pytest.mark.parametrize("name", list(S.LAYOUTS))
 def test_layout_matches_single_process(runs, name):
     refs, ranks = runs
     ref = refs[_ref_for(name)]
     exact_fp8 = name == "A_pp2_fp8"  # PP does not change what each FP8 GEMM sees
-    # FP8 under TP: same blocks, but float32 sums in another order can flip a rare FP8 rounding.
     fp8_tp = name == "A_tp2_mxfp8"
     for rank, res in enumerate(ranks):
         out = res[name]
@@ -40,18 +70,19 @@ def test_layout_matches_single_process(runs, name):
         assert out["init"].keys() == ref["init"].keys()
         for k in ref["init"]:
             assert torch.equal(out["init"][k], ref["init"][k]), (name, rank, k)
-        tol = dict(atol=1e-6, rtol=0) if exact_fp8 else dict(atol=2e-3 if fp8_tp else 2e-5, rtol=1e-5)
+        if fp8_tp:
+            _fp8_tp_matches(out, ref, refs["A"], name)
+            continue
+        tol = dict(atol=1e-6, rtol=0) if exact_fp8 else dict(atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(out["lp0"], ref["lp0"], **tol)
         torch.testing.assert_close(out["ent0"], ref["ent0"], **tol)
         torch.testing.assert_close(out["lp0_t"], ref["lp0_t"], **tol)
         for step in range(len(ref["metrics"])):
             for key, val in ref["metrics"][step].items():
-                rel = 2e-3 if fp8_tp else 1e-4
-                assert out["metrics"][step][key] == pytest.approx(val, rel=rel, abs=1e-5), (name, step, key)
-            torch.testing.assert_close(out["logprobs"][step], ref["logprobs"][step],
-                                       atol=2e-3 if fp8_tp else 5e-5, rtol=1e-5)
+                assert out["metrics"][step][key] == pytest.approx(val, rel=1e-4, abs=1e-5), (name, step, key)
+            torch.testing.assert_close(out["logprobs"][step], ref["logprobs"][step], atol=5e-5, rtol=1e-5)
         for k in ref["final"]:
-            torch.testing.assert_close(out["final"][k], ref["final"][k], atol=1e-3 if fp8_tp else 1e-4, rtol=1e-4)
+            torch.testing.assert_close(out["final"][k], ref["final"][k], atol=1e-4, rtol=1e-4)
 
 
 def test_training_moved_the_model(runs):

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._fp8_bounds import assert_fp8_paths_agree, fp8_noise_bound
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -69,6 +71,9 @@ def test_fp8_rollout_differs_from_fp8_trainer_by_the_expected_mismatch(parity):
 def test_same_as_train_reproduces_the_trainer_quantization(parity):
     full = _masked(parity, "engine_full_logp", "fp8", "same_as_train")
     trainer = _masked(parity, "trainer_logp", "fp8", "same_as_train")
-    torch.testing.assert_close(full, trainer, atol=1e-5, rtol=0)
+    # Two implementations (the engine's fused QKV vs Megatron's layers): the same FP8 values up to float
+    # noise, which can flip a rare rounding (tests/_fp8_bounds.py); bound: the trainer's own FP8 noise.
+    noise = fp8_noise_bound(trainer, _masked(parity, "shadow_logp", "fp8", "same_as_train"))
+    assert_fp8_paths_agree(full, trainer, float_tol=2e-5, fp8_noise=noise, what="same_as_train full forward")
     cached = _masked(parity, "rollout_logp", "fp8", "same_as_train")
     assert float((cached - trainer).abs().mean()) > 1e-3  # tensorwise activation scales depend on the batch

@@ -14,6 +14,7 @@ from nemo_fp8rl.fp8 import get_rollout_scheme
 from nemo_fp8rl.rollout import RolloutEngine, SamplingParams, get_rollout_engine, rollout_engine_names
 from nemo_fp8rl.rollout.model import ModelShape
 
+from tests._fp8_bounds import assert_fp8_paths_agree, fp8_noise_bound
 from .conftest import CONFIGS, random_hf_weights
 
 EOS, PAD = 2, 0
@@ -107,12 +108,18 @@ def test_kv_cache_logp_equals_full_forward(arch_cfg, scheme):
     eng = make_engine(arch_cfg, scheme)
     out = eng.generate(RAGGED * 3, SamplingParams(max_new_tokens=12), torch.Generator().manual_seed(0))
     out.validate()
-    ref = eng.logprobs(out.tokens) * out.mask  # teacher-forced, no cache, right padding
-    err = (out.rollout_logp - ref).abs()
-    # With FP8 too: per-token (w8a8) and 1x128 (block) activation scales do not depend on the other
-    # tokens, so the cached and the full forward quantize the same values (up to ~1e-7 float noise).
-    assert float(err.max()) < (2e-5 if scheme == "off" else 1e-4)
-    assert int(out.mask.sum()) == int(out.response_lens.sum()) > 0
+    m = out.mask.bool()
+    assert int(m.sum()) == int(out.response_lens.sum()) > 0
+    ref = eng.logprobs(out.tokens)  # teacher-forced, no cache, right padding: other GEMM shapes
+    if scheme == "off":
+        torch.testing.assert_close(out.rollout_logp[m], ref[m], atol=2e-5, rtol=0)
+        return
+    # FP8: per-token (w8a8) and 1x128 (block) activation scales do not depend on the other tokens, so
+    # both paths quantize the same values up to float noise; a rare one-code flip moves one token
+    # (tests/_fp8_bounds.py). Bound: the FP8 noise of the same tokens (this scheme vs scheme off).
+    hp = make_engine(arch_cfg, "off").logprobs(out.tokens)
+    assert_fp8_paths_agree(out.rollout_logp, ref, mask=m, float_tol=1e-4, fp8_noise=fp8_noise_bound(ref, hp, m),
+                           what=f"{scheme}: cached vs full forward")
 
 
 def test_greedy_equals_iterated_argmax_of_full_forward():
