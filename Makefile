@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.5"
 	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps "verl==0.9.1"  # the verl plugin's tests; its import deps are in the test extra
 	touch $@
 
 install: $(VENV)/.installed
