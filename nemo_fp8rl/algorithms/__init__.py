@@ -4,8 +4,8 @@ Imports only torch and the standard library, so any framework can use it and it 
 Modules: ``metrics`` (the ``(tensor, reduction)`` metric convention), ``losses`` (policy-loss registry,
 aggregation, KL, entropy), ``advantages`` (GRPO/RLOO registry, DAPO dynamic sampling and overlong
 shaping), ``rollout_correction`` (TIS / IcePop), ``calibration`` (Calibrated Clipping, arXiv 2609.22870),
-``mismatch`` (rollout/trainer and FP8/BF16 mismatch metrics, entropy-surge monitor),
-``nemo_rl_adapter`` (NeMo RL ``ClippedPGLossFn``-compatible loss).
+``mismatch`` (rollout/trainer and FP8/BF16 mismatch metrics, entropy-surge monitor).
+NeMo RL's ``ClippedPGLossFn`` with Calibrated Clipping is :mod:`nemo_fp8rl.integrations.nemo_rl`.
 """
 
 from nemo_fp8rl.algorithms.advantages import (
@@ -42,7 +42,6 @@ from nemo_fp8rl.algorithms.losses import (
 )
 from nemo_fp8rl.algorithms.metrics import REDUCTIONS, Metric, make_metric, metrics_to_floats, reduce_metrics
 from nemo_fp8rl.algorithms.mismatch import EntropySurgeMonitor, mismatch_metrics
-from nemo_fp8rl.algorithms.nemo_rl_adapter import ClippedPGLoss
 from nemo_fp8rl.algorithms.rollout_correction import ROLLOUT_CORRECTION_MODES, rollout_correction
 
 __all__ = [
@@ -54,7 +53,6 @@ __all__ = [
     "AdvantageEstimator",
     "CalibratedClipping",
     "CalibrationResult",
-    "ClippedPGLoss",
     "EntropySurgeMonitor",
     "Metric",
     "PolicyLossFn",

@@ -258,3 +258,18 @@ def test_controller_eps_must_match_and_shapes_are_checked():
     data, lp = _inputs()
     with pytest.raises(ValueError, match="next_token_logprobs has shape"):
         _run(ClippedPGLossFn({}), data, lp[:, 1:])
+
+
+def test_imports_no_framework():
+    """Pure torch (NeMo RL only for its enums, when installed): usable from any NeMo RL environment."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nemo_fp8rl.integrations.nemo_rl\n"
+        "bad = {m.split('.')[0] for m in sys.modules} & {'megatron', 'transformer_engine', 'hydra', 'verl'}\n"
+        "print(','.join(sorted(bad)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
