@@ -612,11 +612,59 @@ class ClippedPGLossFn:
         self.calibration.observe(r, rho, data["advantages"][:, 1:], mask, step=step)
 
 
+
+class Fp8ShadowWorkerMixin:
+    """Mix into NeMo RL's ``MegatronPolicyWorker``: ``set_fp8_shadow(True)`` turns FP8 off for what follows.
+
+    The BF16 shadow forward of Calibrated Clipping is the worker's own ``get_logprobs`` on the same weights
+    with FP8 off: :func:`nemo_fp8rl.fp8.megatron.fp8_disabled` sets ``config.fp8 = None`` on each model
+    chunk's ``TransformerConfig`` (megatron-core then enters no Transformer Engine FP8 autocast, so the TE
+    layers run in BF16) and turns our emulated FP8 linears off. Use it through :func:`shadow_logprobs`::
+
+        class ShadowMegatronPolicyWorker(Fp8ShadowWorkerMixin, MegatronPolicyWorker): ...
+        Policy(..., worker_extension_cls_fqn="my_module.ShadowMegatronPolicyWorker")
+
+    ``self.model`` is the worker's model (one module or a list of virtual-pipeline chunks).
+    """
+
+    def set_fp8_shadow(self, enabled: bool) -> None:
+        """Enter (True) or leave (False) the FP8-off state; idempotent."""
+        stack = getattr(self, "_fp8_shadow_stack", None)
+        if enabled and stack is None:
+            import contextlib
+
+            from nemo_fp8rl.fp8.megatron import fp8_disabled
+
+            stack = contextlib.ExitStack()
+            models = self.model if isinstance(self.model, (list, tuple)) else [self.model]
+            for model in models:
+                stack.enter_context(fp8_disabled(model))
+            self._fp8_shadow_stack = stack
+        elif not enabled and stack is not None:
+            self._fp8_shadow_stack = None
+            stack.close()
+
+
+def shadow_logprobs(policy: Any, data: Any) -> torch.Tensor:
+    """``policy.get_logprobs(data)["logprobs"]`` with FP8 off on every worker (:class:`Fp8ShadowWorkerMixin`).
+
+    ``policy`` is NeMo RL's ``Policy`` built with a worker class that has the mixin; returns ``[B, S]`` like
+    ``prev_logprobs``. FP8 is switched back on even if the forward raises.
+    """
+    policy.run_all_workers_single_data("set_fp8_shadow", True)
+    try:
+        return policy.get_logprobs(data)["logprobs"]
+    finally:
+        policy.run_all_workers_single_data("set_fp8_shadow", False)
+
+
 __all__ = [
     "CONFIG_DEFAULTS",
     "NEMO_RL_COMMIT",
     "ClippedPGLossFn",
+    "Fp8ShadowWorkerMixin",
     "LossInputType",
     "LossType",
     "MetricNormalizer",
+    "shadow_logprobs",
 ]
