@@ -202,3 +202,22 @@ def test_errors_name_the_fix():
         _call(plugin.LOSS_MODE, "token-mean", _config(high=0.2, clip_ratio_c=1.0), old, logp, adv, mask, w)
     with pytest.raises(ValueError, match="modules is empty"):
         plugin.ShadowRatioHook(CalibratedClipping(eps_low=0.2, eps_high=0.2), [])
+
+
+def test_example_runs_with_the_real_verl_registry():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "verl_calibrated_clip.py"
+    spec = importlib.util.spec_from_file_location("verl_calibrated_clip", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    history = ex.run(steps=2, interval=1, verbose=False)
+    assert history[0]["calib/tokens"] > 0 and history[1]["calib/skipped"] == 0
+    assert (history[0]["actor/clip_lower"], history[0]["actor/clip_upper"]) == pytest.approx((0.8, 1.28))
+    # step 1 trains with the bounds step 0's calibration set
+    ctrl = plugin.get_calibration()
+    assert ctrl.last_result is not None
+    assert history[1]["actor/clip_lower"] != pytest.approx(0.8) or history[1][
+        "actor/clip_upper"
+    ] != pytest.approx(1.28)
