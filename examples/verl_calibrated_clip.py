@@ -102,7 +102,8 @@ def run(steps: int = 6, interval: int = 2, seed: int = 0, verbose: bool = True) 
             print(
                 f"step {step}: reward {metrics['reward']:.3f} bounds in force "
                 f"{metrics['actor/clip_lower']:.3f}/{metrics['actor/clip_upper']:.3f} "
-                f"pg_clipfrac {metrics['actor/pg_clipfrac']:.3f} low_frac {metrics['actor/clip_low_frac']:.3f}"
+                f"pg_clipfrac {metrics['actor/pg_clipfrac']:.3f}"
+                f" low_frac {metrics['actor/clip_low_frac']:.3f}"
                 + (f"  calib: tokens {metrics['calib/tokens']:.0f}" if calibrating else "")
             )
     return history
