@@ -138,6 +138,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("nemo_rl_checkout", type=Path)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("nemo_rl_golden.json"))
+    ap.add_argument("--check-dropin", action="store_true", help="also run ours through NeMo RL's call path")
     args = ap.parse_args()
     root = args.nemo_rl_checkout.resolve()
     sys.path.insert(0, str(root))
@@ -186,6 +187,62 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {len(cases)} cases from NeMo RL {commit} to {args.out}")
+    if args.check_dropin:
+        check_dropin(inputs, g_tok, g_seq)
+
+
+def check_dropin(inputs: dict[str, list], g_tok: float, g_seq: float) -> None:
+    """Run ours and NeMo RL's class through NeMo RL's own call path (float32 logits), print the gaps.
+
+    ``wrap_loss_fn_with_input_preparation`` is how the Megatron worker calls the loss (keyword arguments).
+    NeMo RL's ``prepare_loss_input`` moves tensors to CUDA, so on a CPU ``prepare_on_cpu`` takes its place:
+    its LOGPROB branch, dispatched on ``loss_fn.input_type == LossInputType.LOGPROB`` with NeMo RL's enum
+    (ours must be that very enum). Needs this project importable (``PYTHONPATH=<repo root>``).
+    """
+    from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
+    from nemo_rl.algorithms.loss.interfaces import LossInputType
+    from nemo_rl.algorithms.loss.wrapper import wrap_loss_fn_with_input_preparation
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    def prepare_on_cpu(logits, data, loss_fn, **_):
+        if loss_fn.input_type != LossInputType.LOGPROB:
+            raise TypeError(f"input_type {loss_fn.input_type!r} is not NeMo RL's LossInputType.LOGPROB")
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, data["input_ids"][:, 1:, None])
+        return {"next_token_logprobs": logp.squeeze(-1)}, data
+
+    from nemo_fp8rl.integrations.nemo_rl import ClippedPGLossFn as Ours
+
+    g = torch.Generator().manual_seed(7)
+    vocab = 11
+    input_ids = torch.randint(0, vocab, (B, S), generator=g)
+    logits0 = torch.randn(B, S, vocab, generator=g)
+    worst = 0.0
+    for name, overrides in CONFIGS.items():
+        results = []
+        for cls in (ClippedPGLossFn, Ours):
+            data = BatchedDataDict(
+                {
+                    k: torch.tensor(v, dtype=torch.float32)
+                    for k, v in inputs.items()
+                    if k != "next_token_logprobs"
+                }
+            )
+            data["input_ids"] = input_ids
+            logits = logits0.clone().requires_grad_(True)
+            loss_fn = cls(ClippedPGLossConfig(**overrides))
+            loss, metrics = wrap_loss_fn_with_input_preparation(
+                logits, data, torch.tensor(g_seq), torch.tensor(g_tok), loss_fn, prepare_on_cpu
+            )
+            loss.backward()
+            results.append((loss.item(), logits.grad.clone(), metrics))
+        (l0, g0, m0), (l1, g1, m1) = results
+        rel = max(
+            abs(l1 - l0) / max(abs(l0), 1e-12), float((g1 - g0).abs().max() / g0.abs().max().clamp(min=1e-12))
+        )
+        worst = max(worst, rel)
+        missing = sorted(set(m0) - set(m1))
+        print(f"{name:24s} loss/grad max rel diff {rel:.1e}" + (f"  MISSING {missing}" if missing else ""))
+    print(f"worst {worst:.1e} over {len(CONFIGS)} configs (float32, through NeMo RL's call path)")
 
 
 if __name__ == "__main__":
