@@ -59,6 +59,7 @@ Pure torch: NeMo RL is imported only to reuse its enums when it is installed.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Mapping
 from typing import Any
@@ -320,7 +321,7 @@ class ClippedPGLossFn:
         except TypeError as e:
             raise _bad("calibration", f"{e}; valid keys are CalibratedClipping's arguments") from None
         except ValueError as e:
-            raise _bad("calibration", str(e)) from None
+            raise _bad("calibration", f"{e} (or set loss_fn.calibration: false)") from None
 
     def _metric_normalizations(self) -> dict[str, Any]:
         grad = (
@@ -612,7 +613,6 @@ class ClippedPGLossFn:
         self.calibration.observe(r, rho, data["advantages"][:, 1:], mask, step=step)
 
 
-
 class Fp8ShadowWorkerMixin:
     """Mix into NeMo RL's ``MegatronPolicyWorker``: ``set_fp8_shadow(True)`` turns FP8 off for what follows.
 
@@ -631,9 +631,7 @@ class Fp8ShadowWorkerMixin:
         """Enter (True) or leave (False) the FP8-off state; idempotent."""
         stack = getattr(self, "_fp8_shadow_stack", None)
         if enabled and stack is None:
-            import contextlib
-
-            from nemo_fp8rl.fp8.megatron import fp8_disabled
+            from nemo_fp8rl.fp8.megatron import fp8_disabled  # megatron-core: there in NeMo RL's workers
 
             stack = contextlib.ExitStack()
             models = self.model if isinstance(self.model, (list, tuple)) else [self.model]
