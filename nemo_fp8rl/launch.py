@@ -87,6 +87,15 @@ def plans_from_overrides(overrides: list[str]):
     return plan_stages(cfg, choices)
 
 
+def plan_main(argv: "list[str] | None" = None) -> int:
+    """``nemo-fp8rl-plan``: per-GPU memory of a training config or launcher stage
+    (:mod:`nemo_fp8rl.launcher.memory`, docs/megatron.md "Memory plan"). Returns the exit code."""
+    from nemo_fp8rl.launcher.memory import main as memory_main
+
+    return memory_main(sys.argv[1:] if argv is None else list(argv), compose_train=compose_train_config,
+                       compose_launcher=compose_launcher_config, plan_stages=plan_stages)
+
+
 def launch(plans, *, out=print) -> int:
     """Write every stage's files, then submit them (``slurm``) or run them (``local``). Returns an exit code."""
     from nemo_fp8rl.launcher import SubmitError, run_local, submit, write_stage
@@ -98,6 +107,8 @@ def launch(plans, *, out=print) -> int:
         out(f"  training config:   {paths['train_config']}")
         label = "submission script:" if plan.cluster_type == "slurm" else "local script:"
         out(f"  {label:<19}{paths['script']}")
+        if plan.memory is not None:
+            out(f"  memory plan:       {plan.memory.summary()}")
         if plan.dry_run:
             how = "sbatch" if plan.cluster_type == "slurm" else "bash"
             out(f"  dry run: nothing was started; start it with: {how} {paths['script']}")

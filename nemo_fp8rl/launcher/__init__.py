@@ -16,9 +16,14 @@ The pieces, in the order ``nemo-fp8rl-launch`` uses them:
   (torchrun on this machine);
 - :func:`submit` runs ``sbatch`` and returns the job id; :func:`run_local` runs the local script.
 
+:mod:`nemo_fp8rl.launcher.memory` is the memory plan (``nemo-fp8rl-plan``): per-GPU bytes of a config by
+component, BF16 vs each FP8 recipe, both optimizer paths; :func:`build_plans` refuses a GPU stage that
+cannot fit (``launcher.memory_plan``).
+
 This package imports no Hydra: composing config groups is passed in as a function (``launch.py``).
 """
 
+from nemo_fp8rl.launcher.memory import MemoryPlan, PlanError, PlanOptions, plan_config, plan_table
 from nemo_fp8rl.launcher.plan import (
     CLUSTER_TYPES,
     STAGES,
@@ -43,11 +48,16 @@ __all__ = [
     "STAGES",
     "ClusterSettings",
     "LaunchError",
+    "MemoryPlan",
+    "PlanError",
+    "PlanOptions",
     "RunSettings",
     "StagePlan",
     "SubmitError",
     "build_plans",
     "parse_time_limit",
+    "plan_config",
+    "plan_table",
     "render_local_script",
     "render_sbatch_script",
     "render_train_config",

@@ -10,7 +10,9 @@ job is queued (a job that fails its own config check after an hour in the queue 
   training schema and ``validate`` - exactly what ``nemo-fp8rl-train`` will run;
 - the job shape fits the parallel layout: ``nodes x ntasks_per_node`` processes = TP x PP x DP
   (:func:`nemo_fp8rl.models.parallel.validate_layout`), ``algorithm.prompts_per_step`` splits over DP,
-  and GPU stages start one task per GPU.
+  and GPU stages start one task per GPU;
+- GPU stages fit the GPU: the memory plan (:mod:`nemo_fp8rl.launcher.memory`) of the stage's config,
+  recipe and optimizer on ``launcher.memory_plan`` (a GPU name, default h100, or its GiB; ``off`` skips).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class StagePlan:
     python: str
     dry_run: bool
     train: Any = field(repr=False)  # nemo_fp8rl.config.schema.TrainConfig (validated)
+    memory: Any = field(default=None, repr=False)  # nemo_fp8rl.launcher.memory.MemoryPlan (GPU stages)
 
     @property
     def job_name(self) -> str:
@@ -432,6 +435,38 @@ def _check_layout(run: RunSettings, train, stage: str, cluster_type: str) -> Non
         )
 
 
+def _check_memory(run: RunSettings, train, stage: str, config_name: str, setting):
+    """The memory plan of a GPU stage; a layout that cannot fit stops the launch, naming knobs that fit."""
+    import dataclasses
+
+    from nemo_fp8rl.launcher.memory import PlanError, PlanOptions, memory_plan_setting, plan_config, suggest_fixes
+
+    try:
+        gpu = memory_plan_setting(setting)
+    except PlanError as e:
+        raise LaunchError(str(e)) from None
+    if gpu is None or not run.gpus_per_node:
+        return None
+    world = run.nodes * run.ntasks_per_node
+    tp, pp = train.parallel.tensor_model_parallel_size, train.parallel.pipeline_model_parallel_size
+    cfg = dataclasses.replace(train, model=_model_shape(train, stage))
+    options = PlanOptions(dp=world // (tp * pp), gpu=gpu[0] or "h100", gpu_memory_gib=gpu[1])
+    try:
+        plan = plan_config(cfg, options)
+    except PlanError as e:
+        raise LaunchError(f"memory plan of {stage}: {_scoped(str(e), stage)}") from None
+    if not plan.fits:
+        fixes = [_scoped(f, stage) for f in suggest_fixes(cfg, options, world=world, gpus_per_node=run.gpus_per_node)]
+        hint = ("; it would fit with " + " or ".join(fixes)) if fixes else "; use more GPUs per model replica"
+        raise LaunchError(
+            f"memory plan: {stage} (TP={tp} x PP={pp} x DP={options.dp}) needs {plan.train_total / 2**30:.1f} GiB per "
+            f"GPU but {options.gpu_label} leaves {plan.available / 2**30:.1f} GiB ({plan.summary()}){hint}. "
+            f"`nemo-fp8rl-plan {stage}={config_name} <the same overrides>` prints the breakdown; +launcher.memory_plan=<gpu or GiB> "
+            "names another GPU, +launcher.memory_plan=off skips this check"
+        )
+    return plan
+
+
 def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapping[str, str],
                 launcher_dir: Path) -> list[StagePlan]:
     """Check the launcher config and build one :class:`StagePlan` per entry of ``stages``.
@@ -502,7 +537,7 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
     launcher = data.get("launcher") or {}
     if not isinstance(launcher, dict):
         raise LaunchError(f"launcher={launcher!r} must be a mapping (dry_run, python)")
-    _unknown_keys(launcher, ("dry_run", "python"), "launcher", "launchers/conf/config.yaml")
+    _unknown_keys(launcher, ("dry_run", "python", "memory_plan"), "launcher", "launchers/conf/config.yaml")
     dry_run = launcher.get("dry_run", False)
     if not isinstance(dry_run, bool):
         raise LaunchError(f"launcher.dry_run={dry_run!r} must be true or false")
@@ -529,11 +564,12 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
         run = _run(raw.get("run"), stage, where)
         train = _train_config(raw, stage, where, run.results_dir, compose_train)
         _check_layout(run, train, stage, cluster_type)
+        memory = _check_memory(run, train, stage, config_name, launcher.get("memory_plan", True))
         plans.append(StagePlan(
             stage=stage, config_name=config_name, cluster_type=cluster_type, run=run, cluster=cluster,
             container=container.strip() if container else None, container_mounts=tuple(mounts),
             env_vars=tuple(env_pairs) + _recipe_env(train, {k for k, _ in env_pairs}), python=python,
-            dry_run=dry_run, train=train,
+            dry_run=dry_run, train=train, memory=memory,
         ))
     return plans
 
