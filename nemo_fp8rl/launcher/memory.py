@@ -179,15 +179,21 @@ def state_bytes(params: int, optimizer: str, dp: int, device: str) -> dict[str, 
 
         weights 4 P,  grads 4 P,  optimizer 8 P  (exp_avg + exp_avg_sq, float32)        = 16 P
 
-    ``distributed`` (megatron ``DistributedOptimizer`` + DDP with float32 main grads; GPU only)::
+    ``distributed`` (megatron ``DistributedOptimizer`` + DDP with float32 main grads) on GPU::
 
         weights 2 P (BF16),  grads 4 P (float32 grad buffer),
         optimizer 12 P / DP (float32 main parameters + two moments, sharded)           = 6 P + 12 P / DP
+
+    and on CPU, where the float32 parameters are the main parameters ([1]'s fp32 row)::
+
+        weights 4 P,  grads 4 P,  optimizer 8 P / DP                                    = 8 P + 8 P / DP
     """
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"optimizer {optimizer!r}; choose one of {list(OPTIMIZERS)}")
-    if optimizer == "adamw" or device == "cpu":
+    if optimizer == "adamw":
         return {"weights": 4 * params, "grads": 4 * params, "optimizer": 8 * params}
+    if device == "cpu":  # float32 parameters are the main parameters: only the moments are sharded
+        return {"weights": 4 * params, "grads": 4 * params, "optimizer": math.ceil(8 * params / dp)}
     return {"weights": 2 * params, "grads": 4 * params, "optimizer": math.ceil(12 * params / dp)}
 
 
@@ -578,22 +584,26 @@ def config_recipe(cfg) -> Optional[str]:
     return None if recipe is None else recipe.scaling
 
 
-def config_optimizer(cfg) -> str:
-    """``distributed`` when the config asks for Megatron's distributed optimizer (``optim.distributed``,
-    added by issue 16's optimizer part), else ``adamw`` (the actor's optimizer today)."""
-    return "distributed" if getattr(cfg.optim, "distributed", False) else "adamw"
+def config_optimizer(cfg, device: str = "gpu") -> str:
+    """``distributed`` when the config runs Megatron's distributed optimizer, else ``adamw``.
+
+    ``optim.distributed`` (issue 16's optimizer part): true, false, or null = true on GPU and false on
+    CPU. A schema without the key is today's actor: torch AdamW."""
+    distributed = getattr(cfg.optim, "distributed", False)
+    if distributed is None:
+        distributed = device == "gpu"
+    return "distributed" if distributed else "adamw"
 
 
 def plan_config(cfg, options: PlanOptions) -> MemoryPlan:
     """The plan of the config as it will run (its own recipe and optimizer)."""
-    return plan_arm(cfg, options, recipe_name=config_recipe(cfg), optimizer=config_optimizer(cfg))
+    return plan_arm(cfg, options, recipe_name=config_recipe(cfg), optimizer=config_optimizer(cfg, options.device))
 
 
 def plan_table(cfg, options: PlanOptions) -> list[MemoryPlan]:
-    """BF16 and every FP8 recipe of the device (GPU: TE's), for both optimizer paths (GPU) or AdamW (CPU)."""
+    """BF16 and every FP8 recipe of the device (GPU: TE's), for both optimizer paths."""
     recipes = [None, *(GPU_RECIPES if options.device == "gpu" else CPU_RECIPES)]
-    optimizers = OPTIMIZERS if options.device == "gpu" else ("adamw",)
-    return [plan_arm(cfg, options, recipe_name=r, optimizer=o) for o in optimizers for r in recipes]
+    return [plan_arm(cfg, options, recipe_name=r, optimizer=o) for o in OPTIMIZERS for r in recipes]
 
 
 def _with(cfg, section: str, **changes):
@@ -609,7 +619,7 @@ def suggest_fixes(cfg, options: PlanOptions, *, world: Optional[int] = None, gpu
     with the same number of GPUs (``world``) when DP allows, else with more GPUs; when no single knob
     does, the smallest TP x PP layout that fits at the same DP; a smaller ``--rollout-share``.
     """
-    recipe, optimizer = config_recipe(cfg), config_optimizer(cfg)
+    recipe, optimizer = config_recipe(cfg), config_optimizer(cfg, options.device)
     out: list[str] = []
 
     def fits(c, opt=optimizer, o=options) -> bool:
@@ -640,11 +650,12 @@ def suggest_fixes(cfg, options: PlanOptions, *, world: Optional[int] = None, gpu
             if (m.num_attention_heads % new_tp or groups % new_tp or m.ffn_hidden_size % new_tp
                     or m.num_layers % new_pp):
                 continue
-            same_world = world % (new_tp * new_pp) == 0
-            dp = world // (new_tp * new_pp) if same_world else options.dp
             c = _with(cfg, "parallel", **{key: size})
-            if fits(c, o=dataclasses.replace(options, dp=dp)):
-                gpus = "" if same_world else f" (with {new_tp * new_pp * options.dp} GPUs for DP={options.dp})"
+            # the job's GPUs (DP shrinks), else the same DP on more GPUs
+            dps = ([world // (new_tp * new_pp)] if world % (new_tp * new_pp) == 0 else []) + [options.dp]
+            dp = next((d for d in dict.fromkeys(dps) if fits(c, o=dataclasses.replace(options, dp=d))), None)
+            if dp is not None:
+                gpus = "" if new_tp * new_pp * dp == world else f" (with {new_tp * new_pp * dp} GPUs for DP={dp})"
                 out.append(f"parallel.{key}={size}{gpus}")
                 break
     if not out:  # no single knob: the smallest TP x PP layout (TP within a node) that fits at the same DP
@@ -723,8 +734,9 @@ def format_table(plans: list[MemoryPlan], own: Optional[tuple[Optional[str], str
         block = [pl for pl in plans if pl.optimizer == optimizer]
         names = [pl.arm + ("*" if own == (pl.recipe, pl.optimizer) else "") for pl in block]
         width = max(11, *(len(n) + 1 for n in names))
-        title = {"adamw": "optimizer adamw (float32 AdamW state on every DP rank: the actor today)",
-                 "distributed": "optimizer distributed (BF16 params, float32 main params/moments sharded over DP)"}
+        title = {"adamw": "optimizer adamw (torch AdamW, float32 parameters and state on every DP rank)",
+                 "distributed": ("optimizer distributed (BF16 params, float32 main params/moments sharded over DP)"
+                                 if per == "GPU" else "optimizer distributed (Adam moments sharded over DP)")}
         lines.append(title[optimizer])
         lines.append(f"  {unit + ' per ' + per:<26}" + "".join(f"{n:>{width}}" for n in names))
 
@@ -857,7 +869,7 @@ def report(cfg, options: PlanOptions, *, label: str, world: Optional[int] = None
     """Print the plan of ``cfg`` (header, table, verdict, fixes); True when the config's own arm fits."""
     own = plan_config(cfg, options)
     table = plan_table(cfg, options)
-    if own.recipe not in [pl.recipe for pl in table]:
+    if (own.recipe, own.optimizer) not in [(pl.recipe, pl.optimizer) for pl in table]:
         table = [*table, own]
     out(f"== {label}")
     out(describe(cfg, options, own))
