@@ -493,8 +493,8 @@ def stage_activation_bytes(cfg, shape: ModelShape, stage: int, *, recipe, device
 
         activations = k x [ sum over the stage's layers of layer_activation_bytes(tokens = mbs x s)
                             (+ CPU RoPE tables: 4 x 4 s d per layer) ]
-                      + last stage: logits_bytes of one microbatch + the final norm (CPU 3 x 4 h, GPU
-                        2 x 2 h (/ t with sequence parallelism) per token)
+                      + last stage: the final norm of one microbatch (CPU 3 x 4 h, GPU 2 x 2 h (/ t with
+                        sequence parallelism) per token); the logits are :func:`logits_bytes`
 
     With full recompute (``recompute=True``) a layer keeps only its input (2 h bytes per token on GPU,
     / t under sequence parallelism) and one layer at a time is recomputed in the backward.
@@ -524,7 +524,6 @@ def stage_activation_bytes(cfg, shape: ModelShape, stage: int, *, recipe, device
         per_micro = sum(layer_bytes)
     total = in_flight * per_micro
     if stage == pp - 1:
-        total += logits_bytes(shape, tokens, tp, device)
         total += (3 * 4 * shape.hidden * tokens) if device == "cpu" else (4 * shape.hidden * tokens // (tp if sp else 1))
     return total, in_flight
 
@@ -554,9 +553,11 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
         sp = stage_parameters(shape, tp, pp, stage, fp8_layers=fp8_layers if recipe is not None else set())
         comps = state_bytes(sp.total, optimizer, options.dp, options.device)
         act, in_flight = stage_activation_bytes(cfg, shape, stage, recipe=recipe, device=options.device, dp=options.dp)
+        tokens = p.micro_batch_size * cfg.model.seq_length
         comps = {"weights": comps["weights"],
                  "weight copies": weight_copy_bytes(sp, scaling, optimizer, options.device, in_flight),
-                 "grads": comps["grads"], "optimizer": comps["optimizer"], "activations": act}
+                 "grads": comps["grads"], "optimizer": comps["optimizer"], "activations": act,
+                 "logits": logits_bytes(shape, tokens, tp, options.device) if stage == pp - 1 else 0}
         rec, _ = stage_activation_bytes(cfg, shape, stage, recipe=recipe, device=options.device, dp=options.dp,
                                         recompute=True)
         if best is None or sum(comps.values()) > sum(best[0].values()):
@@ -722,7 +723,7 @@ def megatron_reference(cfg, dp: int, optimizer: str) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- printing
-_ROWS = ("weights", "weight copies", "grads", "optimizer", "activations")
+_ROWS = ("weights", "weight copies", "grads", "optimizer", "activations", "logits")
 
 
 def format_table(plans: list[MemoryPlan], own: Optional[tuple[Optional[str], str]] = None) -> str:
@@ -744,11 +745,10 @@ def format_table(plans: list[MemoryPlan], own: Optional[tuple[Optional[str], str
             lines.append(f"  {label:<26}" + "".join(f"{fmt.format(v):>{width}}" for v in values))
 
         for name in _ROWS:
-            label = "activations (+ logits)" if name == "activations" else name
-            row(label, [pl.components[name] / scale for pl in block])
+            row(name, [pl.components[name] / scale for pl in block])
         row("= training total", [pl.train_total / scale for pl in block])
         if block[0].capacity is not None:
-            row("  activations, recompute", [pl.recompute_activations / scale for pl in block])
+            row("  activations, recompute", [pl.recompute_activations / scale for pl in block])  # not in total
             if block[0].rollout is not None:
                 row("rollout engine reserved", [pl.rollout.reserved / scale for pl in block])
             row("available for training", [pl.available / scale for pl in block])
@@ -882,7 +882,8 @@ def report(cfg, options: PlanOptions, *, label: str, world: Optional[int] = None
             state = sum(ours.components[k] for k in ("weights", "grads", "optimizer"))
             out(f"Megatron-LM theoretical memory ({opt}, BF16): weights+optimizer "
                 f"{ref['weights+optimizer'] / GIB:.2f} GiB (this plan: {state / GIB:.2f}), activations "
-                f"{ref['activations'] / GIB:.2f} GiB (this plan: {ours.components['activations'] / GIB:.2f})")
+                f"{ref['activations'] / GIB:.2f} GiB (this plan: activations + logits "
+                f"{(ours.components['activations'] + ours.components['logits']) / GIB:.2f})")
         out("")
     out(f"this config ({own.arm}, optimizer {own.optimizer}): {own.summary()}")
     if not own.fits:

@@ -157,12 +157,12 @@ def test_plan_matches_a_megatron_model_trained_on_cpu(measured, name, model_kw, 
     # saved for backward (one microbatch): the plan's activations and weight copies, without the
     # logits gradient and temporaries of the backward (12 bytes per token per vocabulary entry)
     tokens = mb * cfg.model.seq_length
-    saved_plan = (plan.components["activations"] + plan.components["weight copies"]
-                  - (logits_bytes(shape, tokens, 1, "cpu") - 8 * tokens * shape.vocab))
+    assert plan.components["logits"] == logits_bytes(shape, tokens, 1, "cpu")
+    saved_plan = (plan.components["activations"] + plan.components["weight copies"] + 8 * tokens * shape.vocab)
     assert got["saved"] == pytest.approx(saved_plan, rel=0.01), (got["saved"], saved_plan)
     # peak heap of a steady-state train step
     if plan.microbatches >= 2:
-        assert got["peak"] == pytest.approx(plan.train_total, rel=0.10), (got["peak"], plan.train_total)
+        assert got["peak"] == pytest.approx(plan.train_total, rel=0.15), (got["peak"], plan.train_total)
     else:
         assert plan.train_total * 0.8 <= got["peak"] <= plan.train_total * 1.02, (got["peak"], plan.train_total)
 
@@ -318,7 +318,7 @@ def test_cli_prints_every_recipe_side_by_side(capsys):
     assert "layout TP=8 x PP=2 x DP=2" in out
     for col in ("bf16", "delayed", "tensorwise", "blockwise*", "mxfp8"):
         assert col in out
-    for row in ("weights", "weight copies", "grads", "optimizer", "activations", "fits"):
+    for row in ("weights", "weight copies", "grads", "optimizer", "activations", "logits", "fits"):
         assert f"  {row}" in out
     assert "optimizer distributed" in out and "Megatron-LM theoretical memory" in out
     assert "this config (blockwise, optimizer " in out and ": fits" in out
