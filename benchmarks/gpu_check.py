@@ -13,7 +13,11 @@ both rewritten after every part; a failing part is recorded, its traceback in ``
    spec, float32 master weights with BF16 autocast as the actor trains), train-step time in BF16 and
    under each TE FP8 recipe the GPU supports (median of ``--repeats`` after warm-up, all arms in one
    process), plus the BF16 shadow forward relative to an FP8 train step.
-4. ``grpo``: the tiny GRPO run on GPU with TE FP8 + Calibrated Clipping for a few steps (finite metrics).
+4. ``distopt``: ``optim.distributed=true`` on the GPU (TE spec, NCCL): BF16 parameters with float32
+   main-parameter shards, 3 train steps against torch AdamW on float32 master weights (loss and
+   log-prob gaps), Adam state bytes, a per-rank checkpoint round trip, and the CPU shims refusing to
+   activate in the NCCL process (``--dry-run``: the same on CPU with float32 parameters).
+5. ``grpo``: the tiny GRPO run on GPU with TE FP8 + Calibrated Clipping for a few steps (finite metrics).
 
 The whole run respects a deadline (``--deadline-at``, set by the shell driver): parts and throughput
 arms that would not fit are skipped with the reason recorded. Exit code 0 when no part failed, 2 when
@@ -278,6 +282,68 @@ def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
+def part_distopt(out: Path, dry: bool, left) -> dict:
+    import io
+
+    from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
+    from nemo_fp8rl.models import build_actor
+    from nemo_fp8rl.models.cpu_schedules import cpu_megatron
+    from nemo_fp8rl.models.optim import chained
+
+    dev = "cpu" if dry else "cuda"
+    mc, pc = ModelConfig(vocab_size=16), ParallelConfig(micro_batch_size=8)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 16, (8, 32), generator=g)
+    mask = torch.zeros(8, 32)
+    mask[:, 8:] = 1
+    batch = {"tokens": tokens.to(dev), "mask": mask.to(dev), "advantages": torch.randn(8, generator=g).to(dev)}
+
+    def loss_fn(mb, logprobs, entropy, *, global_tokens, global_seqs):
+        loss = -(mb["advantages"][:, None] * logprobs * mb["mask"]).sum() / global_tokens
+        return loss, {}
+
+    d = build_actor(mc, pc, seed=0, lr=1e-4, device=dev, distributed_optimizer=True)
+    r = build_actor(mc, pc, seed=0, lr=1e-4, device=dev, distributed_optimizer=False)
+    res = {"param_dtype": str(next(d.model.parameters()).dtype),
+           "main_param_dtypes": sorted({str(p.dtype) for o in chained(d.optimizer)
+                                        for grp in getattr(o, "shard_fp32_from_float16_groups", []) for p in grp}),
+           "optimizer_bytes": {"distributed": d.optimizer_state_bytes()}, "loss": {"distributed": [], "adamw": []}}
+    for _ in range(3):
+        res["loss"]["distributed"].append(float(d.train_step(batch, loss_fn)["train/loss"][0]))
+        res["loss"]["adamw"].append(float(r.train_step(batch, loss_fn)["train/loss"][0]))
+    res["optimizer_bytes"]["adamw"] = r.optimizer_state_bytes()
+    m = batch["mask"].bool()
+    res["logprob_gap_vs_adamw"] = float((d.get_logprobs(tokens.to(dev))[0] - r.get_logprobs(tokens.to(dev))[0])[m]
+                                        .abs().mean())
+    buf = io.BytesIO()
+    torch.save(d.state_dict_for_checkpoint(), buf)
+    d.train_step(batch, loss_fn)
+    want = d.get_logprobs(tokens.to(dev))[0]
+    e = build_actor(mc, pc, seed=5, lr=1e-4, device=dev, distributed_optimizer=True)
+    buf.seek(0)
+    e.load_checkpoint_state(torch.load(buf, weights_only=False))
+    e.train_step(batch, loss_fn)
+    res["resume_max_abs_diff"] = float((e.get_logprobs(tokens.to(dev))[0] - want).abs().max())
+    try:
+        with cpu_megatron("optimizer", device="cpu"):
+            pass
+        res["cpu_shim_refused_on_nccl"] = False
+    except RuntimeError:
+        res["cpu_shim_refused_on_nccl"] = True
+    problems = []
+    if not dry and (res["param_dtype"] != "torch.bfloat16" or res["main_param_dtypes"] != ["torch.float32"]):
+        problems.append("expected BF16 parameters with float32 main parameters")
+    if not all(map(torch.isfinite, map(torch.tensor, res["loss"]["distributed"]))):
+        problems.append("non-finite loss")
+    if res["resume_max_abs_diff"] > 1e-3:
+        problems.append(f"resume differs by {res['resume_max_abs_diff']:.3g}")
+    if not dry and not res["cpu_shim_refused_on_nccl"]:
+        problems.append("the CPU shims activated in an NCCL process")
+    if problems:
+        res["failed"] = "; ".join(problems)
+    return res
+
+
 def part_grpo(out: Path, dry: bool, left, steps: int) -> dict:
     if dry:
         return {"skipped": "dry run"}
@@ -353,6 +419,11 @@ def _headline_impl(name: str, res: dict) -> str:
         parts += [f"{k}: {v[:80]}" for k, v in res.get("errors", {}).items()]
         parts += [f"{k} skipped" for k in res.get("skipped", {})]
         return "; ".join(parts)
+    if name == "distopt":
+        return (f"params {res.get('param_dtype')}, main {res.get('main_param_dtypes')}, "
+                f"logprob gap vs AdamW {res.get('logprob_gap_vs_adamw', float('nan')):.3g}, "
+                f"resume diff {res.get('resume_max_abs_diff', float('nan')):.3g}, "
+                f"bytes {res.get('optimizer_bytes')}, shim refused {res.get('cpu_shim_refused_on_nccl')}")
     if name == "grpo":
         return (f"rc {res.get('rc')}, {res.get('steps', 0)} steps, finite {res.get('all_finite')}, "
                 f"{res.get('seconds', 0):.0f}s")
@@ -406,7 +477,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--grpo-steps", type=int, default=6)
-    ap.add_argument("--parts", default="env,parity,throughput,grpo")
+    ap.add_argument("--parts", default="env,parity,distopt,throughput,grpo")
     ap.add_argument("--deadline-at", type=float, default=None,
                     help="Unix time by which everything must be done (default: now + 420 s)")
     args = ap.parse_args()
@@ -432,10 +503,11 @@ def main() -> None:
         "parity": lambda: part_parity(out, args.dry_run, left),
         "throughput": lambda: part_throughput(out, args.dry_run, left, args.layers, args.repeats, args.seq,
                                               args.mbs, reserve_s=90.0 if "grpo" in names else 0.0),
+        "distopt": lambda: part_distopt(out, args.dry_run, left),
         "grpo": lambda: part_grpo(out, args.dry_run, left, args.grpo_steps),
     }
     # least time a part needs to be worth starting
-    min_s = {"env": 5, "parity": 15, "throughput": 60, "grpo": 40}
+    min_s = {"env": 5, "parity": 15, "distopt": 20, "throughput": 60, "grpo": 40}
     title = f"# GPU check {time.strftime('%Y-%m-%d %H:%M:%S')}{' (dry run)' if args.dry_run else ''}"
     if no_gpu:
         title += "\n\nno CUDA GPU: only env ran (use --dry-run on CPU)"

@@ -171,6 +171,10 @@ class OptimConfig:
     """Adam beta2."""
     grad_clip: float = 1.0
     """Gradient-norm clipping."""
+    distributed: Optional[bool] = None
+    """megatron's DistributedDataParallel + distributed optimizer (Adam state and float32 main params
+    sharded over data-parallel ranks; BF16 params on GPU) instead of torch AdamW. null = true on GPU,
+    false on CPU (there it is slower and only shards the Adam moments; docs/megatron.md)."""
 
 
 @dataclass
@@ -418,6 +422,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"optim.lr={o.lr} must be a positive number")
     if o.grad_clip <= 0:
         raise ConfigError(f"optim.grad_clip={o.grad_clip} must be > 0")
+    if o.distributed is not None and not isinstance(o.distributed, bool):
+        raise ConfigError(f"optim.distributed={o.distributed!r} must be true, false or null (null = true on GPU, "
+                          "false on CPU)")
     _choice("logger.progress", cfg.logger.progress, ["auto", "bar", "lines", "none"])
     st = cfg.stability
     _choice("stability.action", st.action, ["warn", "stop", "none"])

@@ -22,11 +22,12 @@ where N_tok = sum of ``mask`` over the whole minibatch on all DP ranks and N_seq
 with any masked token. A ``token-mean`` loss that divides its per-microbatch sum by N_tok therefore
 gives the same L (and gradient) for any microbatch size and DP/TP/PP layout.
 
-Optimizer. ``torch.optim.AdamW`` on float32 parameters, on every device: on CPU the parameters are
-float32 and FP8 is emulated; on GPU they are float32 master weights and megatron's autocast runs the
-model in BF16 (TE FP8 on top). Weight decay applies to matrices only (not norms or biases), as in
-megatron. Megatron's distributed optimizer (optimizer state sharded over DP) is not used; see
-docs/megatron.md for the memory arithmetic.
+Optimizer (:mod:`nemo_fp8rl.models.optim`). ``distributed_optimizer=False``: ``torch.optim.AdamW``
+on float32 parameters (on GPU float32 master weights with megatron's BF16 autocast), state replicated
+over DP. ``distributed_optimizer=True``: megatron's ``DistributedDataParallel`` + distributed
+optimizer (grads reduce-scattered over DP, Adam state and float32 main parameters sharded over DP;
+BF16 parameters on GPU, float32 on CPU). Same update either way; weight decay on matrices only (not
+norms or biases), as in megatron. docs/megatron.md has the memory arithmetic.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from nemo_fp8rl.models.hf_weights import (
     load_stage_hf,
     stage_hf_names,
 )
+from nemo_fp8rl.models import optim as _optim
 from nemo_fp8rl.models.logprobs import token_logprobs_from_logits
 from nemo_fp8rl.models.parallel import init_distributed, resolve_device
 
@@ -84,9 +86,10 @@ class FP8Actor:
         *,
         fp8_recipe,
         use_te: bool,
-        optimizer: torch.optim.Optimizer,
+        optimizer,
         grad_clip: float,
         fp8_report=None,
+        ddp=None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -96,6 +99,7 @@ class FP8Actor:
         self.fp8_recipe = fp8_recipe
         self.use_te = use_te
         self.optimizer = optimizer
+        self.ddp = ddp  # megatron DistributedDataParallel wrapper (distributed optimizer), else None
         self.grad_clip = grad_clip
         self.fp8_report = fp8_report
         self.device = next(model.parameters()).device
@@ -141,14 +145,27 @@ class FP8Actor:
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
+    @property
+    def distributed_optimizer(self) -> bool:
+        """True when megatron's DDP + distributed optimizer own the gradients and the Adam state."""
+        return self.ddp is not None
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (Adam moments, step counters, float32 main-parameter
+        copies; not the model parameters or gradients)."""
+        if self.ddp is not None:
+            return _optim.optimizer_state_bytes(self.optimizer)
+        return _optim.adamw_state_bytes(self.optimizer)
+
     def num_parameters(self) -> int:
         """Parameters of the whole model (all TP shards and PP stages; vocabulary padding and a tied
         head excluded) - the count a Hugging Face checkpoint of it would have."""
         return count_parameters(self.model_cfg)
 
     # ------------------------------------------------------------------ schedule
-    def _run_schedule(self, microbatches: list[dict], forward_only: bool, on_output: Callable) -> list:
-        """Run megatron's forward(-backward) schedule; ``on_output(mb, output)`` is its loss function."""
+    def _run_schedule(self, microbatches: list[dict], forward_only: bool, on_output: Callable, model=None) -> list:
+        """Run megatron's forward(-backward) schedule; ``on_output(mb, output)`` is its loss function.
+        ``model``: the module to run (default the bare GPT stage; the DDP wrapper for training)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         # Sequence parallelism splits the sequence over TP ranks: right-pad it to a multiple of TP
@@ -176,7 +193,7 @@ class FP8Actor:
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(microbatches),
-                model=[self.model],
+                model=[self.model if model is None else model],
                 num_microbatches=len(microbatches),
                 seq_length=seq,
                 micro_batch_size=self.parallel_cfg.micro_batch_size,
@@ -393,10 +410,16 @@ class FP8Actor:
             return loss, torch.ones((), dtype=torch.int), metrics
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        store = self._run_schedule(_split(batch, self.parallel_cfg.micro_batch_size), False, loss_on_output)
-        self._sync_grads()
-        grad_norm = self._grad_norm()
+        mbs = _split(batch, self.parallel_cfg.micro_batch_size)
+        if self.ddp is not None:
+            _optim.zero_grads(self.ddp, self.optimizer)
+            store = self._run_schedule(mbs, False, loss_on_output, model=self.ddp)
+            grad_norm = _optim.finish_grads(self.ddp, self.optimizer, self.device).to(self.device)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            store = self._run_schedule(mbs, False, loss_on_output)
+            self._sync_grads()
+            grad_norm = self._grad_norm()
 
         metrics = reduce_metrics(store, group=self.dp_group if self.dp_size > 1 else None) if self.is_last_stage else None
         metrics = self._broadcast_metrics(metrics)
@@ -406,6 +429,8 @@ class FP8Actor:
         if skipped:
             log.warning("train_step: non-finite loss (%s) or grad norm (%s); update skipped",
                         float(loss_sum), float(grad_norm))
+        elif self.ddp is not None:
+            _optim.clip_and_step(self.optimizer, grad_norm, self.grad_clip, self.device)
         else:
             if self.grad_clip and self.grad_clip > 0:
                 coeff = self.grad_clip / (grad_norm + 1e-6)
@@ -414,7 +439,10 @@ class FP8Actor:
                         if p.grad is not None:
                             p.grad.mul_(coeff.to(p.grad.dtype))
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.ddp is not None:
+            _optim.zero_grads(self.ddp, self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         metrics["train/grad_norm"] = make_metric(grad_norm, "max")
         metrics["train/skipped"] = make_metric(float(skipped), "max")
         metrics["train/global_tokens"] = make_metric(global_tokens, "max")
@@ -467,6 +495,8 @@ class FP8Actor:
         """Load a Hugging Face-named state dict (the full model, on every rank); each rank copies its
         TP shard of its PP stage. Inverse of :meth:`export_weights`."""
         load_stage_hf(self.model, self.model_cfg, dict(hf_state_dict), self.tp_rank, self.tp_size)
+        if self.ddp is not None:
+            _optim.reload_main_params(self.optimizer, self.device)
 
     def state_dict_for_checkpoint(self) -> dict:
         """This rank's model shard, optimizer state, FP8 scaling state and reference (torch objects).
@@ -480,15 +510,18 @@ class FP8Actor:
             "format": CHECKPOINT_FORMAT,
             "layout": self._layout(),
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": _optim.shard_state_dict(self.optimizer) if self.ddp is not None else self.optimizer.state_dict(),
             "fp8": fp8_states(self.model),
             "reference": self._reference,
             "reference_fp8": self._reference_fp8,
         }
 
     def _layout(self) -> dict:
-        return {"tp": self.tp_size, "pp": self.pp_size, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
-                "fp8": self.fp8_recipe.name if self.fp8_recipe is not None else None}
+        layout = {"tp": self.tp_size, "pp": self.pp_size, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
+                  "fp8": self.fp8_recipe.name if self.fp8_recipe is not None else None}
+        if self.ddp is not None:  # the Adam state is sharded over DP: the DP layout matters too
+            layout.update(distributed_optimizer=True, dp=self.dp_size, dp_rank=self.dp_rank)
+        return layout
 
     def load_checkpoint_state(self, sd: Mapping) -> None:
         """Inverse of :meth:`state_dict_for_checkpoint` (same layout and FP8 recipe required)."""
@@ -500,11 +533,14 @@ class FP8Actor:
         if mine != theirs:
             raise ValueError(
                 f"checkpoint layout {theirs} != this run's {mine}; resume with the same "
-                "parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size and fp8 recipe "
-                "(or convert through export_weights/load_weights)"
+                "parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, fp8 recipe and "
+                "optim.distributed (or convert through export_weights/load_weights)"
             )
         self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        if self.ddp is not None:
+            _optim.load_shard_state_dict(self.optimizer, sd["optimizer"])
+        else:
+            self.optimizer.load_state_dict(sd["optimizer"])
         load_fp8_states(self.model, sd["fp8"])
         self._reference = sd.get("reference")
         self._reference_fp8 = sd.get("reference_fp8")
@@ -533,8 +569,9 @@ def build_actor(
     keep_reference: bool = False,
     use_te: Optional[bool] = None,
     device: "str | torch.device | None" = None,
+    distributed_optimizer: Optional[bool] = None,
 ) -> FP8Actor:
-    """Initialise distributed state, build this rank's GPT stage, initialise weights, build AdamW.
+    """Initialise distributed state, build this rank's GPT stage, initialise weights, build the optimizer.
 
     Weights: :func:`~nemo_fp8rl.models.hf_weights.init_hf_state_dict` (seeded per tensor name,
     layout-independent) loaded through :meth:`FP8Actor.load_weights`.
@@ -544,7 +581,12 @@ def build_actor(
         use_te: None = Transformer Engine spec when CUDA + TE are available, else the emulated spec.
         keep_reference: keep the initial weights on CPU for :meth:`FP8Actor.get_reference_logprobs`.
         device: None = CUDA when available, else CPU; ``"cpu"`` runs the CPU path on a GPU machine.
+        distributed_optimizer: megatron's DDP + distributed optimizer (Adam state sharded over DP; BF16
+            parameters with float32 main parameters on GPU, float32 parameters on CPU) instead of torch
+            AdamW; None = True for a CUDA model, False on CPU (:mod:`nemo_fp8rl.models.optim`).
     """
+    import dataclasses
+
     from megatron.core import parallel_state as ps
 
     if model_cfg.hf_path:
@@ -560,6 +602,7 @@ def build_actor(
     if lr <= 0:
         raise ValueError(f"lr={lr} must be > 0")
     device = resolve_device(device)
+    distributed_optimizer = _optim.resolve_distributed(distributed_optimizer, device)
     init_distributed(parallel_cfg, model_cfg, device=device)
     use_te = resolve_use_te(use_te, device)
     if device.type == "cuda":
@@ -571,18 +614,28 @@ def build_actor(
     # RNG: fork it so building an actor leaves the caller's random stream untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, report = build_gpt_model(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te,
+        # GPU + distributed optimizer: BF16 parameters, float32 main parameters inside the optimizer.
+        build_cfg = model_cfg
+        if distributed_optimizer and device.type == "cuda":
+            build_cfg = dataclasses.replace(model_cfg, params_dtype="bfloat16")
+        model, report = build_gpt_model(build_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te,
                                         device=device)
     device = next(model.parameters()).device
     init = init_hf_state_dict(model_cfg, seed, stage_hf_names(model, model_cfg), device=device)
     load_stage_hf(model, model_cfg, init, ps.get_tensor_model_parallel_rank(),
                   parallel_cfg.tensor_model_parallel_size)
     del init
-    optimizer = torch.optim.AdamW(
-        _param_groups(model, weight_decay), lr=lr, betas=tuple(adam_betas), eps=adam_eps, foreach=False
-    )
+    ddp = None
+    if distributed_optimizer:
+        ddp, optimizer = _optim.build_distributed_optimizer(
+            model, lr=lr, weight_decay=weight_decay, adam_betas=adam_betas, adam_eps=adam_eps,
+            grad_clip=grad_clip, device=device)
+    else:
+        optimizer = torch.optim.AdamW(
+            _param_groups(model, weight_decay), lr=lr, betas=tuple(adam_betas), eps=adam_eps, foreach=False
+        )
     actor = FP8Actor(model, model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te,
-                     optimizer=optimizer, grad_clip=grad_clip, fp8_report=report)
+                     optimizer=optimizer, grad_clip=grad_clip, fp8_report=report, ddp=ddp)
     if keep_reference:
         actor.keep_reference()
     return actor

@@ -1,33 +1,79 @@
-"""Run megatron's pipeline schedules on CPU (gloo) - a test backend; the GPU path is untouched.
+"""Run megatron-core's CUDA-only code paths on CPU (gloo) - a test backend; the GPU path is untouched.
 
-megatron-core 0.16's schedules are device-agnostic except for a handful of hard-coded CUDA calls:
+This is the one module of the project that bends megatron-core 0.16 to run on a CPU. megatron's
+pipeline schedules, ``DistributedDataParallel``, distributed optimizer and ``dist_checkpointing`` are
+device-agnostic except for a handful of hard-coded CUDA calls:
 
-- ``schedules.py``: ``torch.zeros([], dtype=torch.int, device="cuda")`` (token counter, 3 places);
-- ``p2p_communication.py``: ``device=torch.cuda.current_device()`` for received activations and
-  shape messages, and ``torch.cuda.synchronize()`` after batched send/recv.
+- tensor factories with ``device="cuda"`` or ``device=torch.cuda.current_device()``;
+- ``torch.cuda.synchronize()``, ``torch.cuda.current_stream()`` / ``default_stream()`` /
+  ``stream(...)`` / ``Stream(...)`` / ``Event(...)``, ``torch.cuda.empty_cache()``;
+- dtype checks by type *name*: ``param.type() == 'torch.cuda.FloatTensor'`` (the distributed
+  optimizer's parameter sorting and ``clip_grads``), which a CPU tensor answers with
+  ``'torch.FloatTensor'``.
 
-Everything else (the 1F1B order, send/recv through ``torch.distributed``, which gloo implements) works
-on CPU. :func:`cpu_pipeline_schedules` rebinds the global name ``torch`` *inside those two megatron
-modules only*, *only while the block runs*, and *only for a model on the CPU*, to
-:class:`_CpuTorch`: a view of the real ``torch`` module whose tensor factories map ``device="cuda"``
-to the CPU and whose ``cuda.current_device()`` / ``cuda.synchronize()`` are CPU no-ops. Nothing in
-torch or elsewhere in megatron is modified, and for a CUDA model the context manager does nothing,
-so GPU runs execute megatron's schedule code verbatim.
+:func:`cpu_megatron` rebinds the global name ``torch`` *inside the megatron modules of the requested
+scopes only* (:data:`SCOPES`), *only while the block runs*, to :class:`_CpuTorch`: a view of the real
+``torch`` module whose tensor factories map ``device="cuda"`` to the CPU and whose ``torch.cuda`` is
+:class:`_CpuCuda` (``current_device()`` is the CPU, streams/events are no-ops). The ``optimizer`` and
+``checkpoint`` scopes also make ``Tensor.type()`` (no argument) answer ``'torch.cuda.<X>Tensor'`` for a
+CPU tensor for the duration: megatron accepts a float32 CPU parameter as the float32 CUDA parameter
+its code checks for. Nothing else in torch or megatron changes. The shim is inert for a CUDA model
+(``device`` is not the CPU) and refuses to activate in a process whose default process group is NCCL
+or that has put a model on CUDA through it (``RuntimeError``): a CUDA run executes megatron's code
+verbatim. docs/megatron.md lists every patched name.
 
 Why not a ``TorchFunctionMode`` that rewrites devices globally: it would also intercept our own
 model code and user code, and ``torch.cuda.current_device()`` raises before any tensor function is
-called on a CPU-only build. Why not copy the schedule: we want megatron's own 1F1B order under test.
+called on a CPU-only build. Why not copy megatron's code: we want megatron's own 1F1B order, grad
+buckets, optimizer sharding and checkpoint layout under test.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from typing import Iterator
 
 import torch
 
-_FACTORIES = ("zeros", "empty", "ones", "full", "tensor", "arange", "zeros_like", "empty_like", "ones_like")
+_FACTORIES = ("zeros", "empty", "ones", "full", "tensor", "arange", "zeros_like", "empty_like", "ones_like",
+              "randn", "rand")
+
+# Scope -> megatron modules whose global ``torch`` is rebound while the scope is active.
+SCOPES: dict[str, tuple[str, ...]] = {
+    # get_forward_backward_func(): token counters and p2p shape/activation buffers on "cuda".
+    "schedules": (
+        "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.pipeline_parallel.p2p_communication",
+    ),
+    # DistributedDataParallel + get_megatron_optimizer(use_distributed_optimizer=True): grad/param
+    # buffers on current_device(), communication streams, found-inf/overflow/scale tensors, the grad
+    # norm and clipping (apex-free fallbacks in megatron.core.utils).
+    "optimizer": (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "megatron.core.distributed.distributed_data_parallel",
+        "megatron.core.distributed.finalize_model_grads",
+        "megatron.core.optimizer.distrib_optimizer",
+        "megatron.core.optimizer.optimizer",
+        "megatron.core.optimizer.clip_grads",
+        "megatron.core.utils",
+    ),
+    # dist_checkpointing save/load: verification flags and failure all-reduces on current_device(),
+    # torch.cuda.synchronize() before writing.
+    "checkpoint": (
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        "megatron.core.dist_checkpointing.strategies.async_utils",
+        "megatron.core.dist_checkpointing.strategies.fully_parallel",
+        "megatron.core.dist_checkpointing.exchange_utils",
+        "megatron.core.optimizer.distrib_optimizer",
+        "megatron.core.optimizer.optimizer",
+        "megatron.core.utils",
+    ),
+}
+# Scopes whose megatron code checks dtypes through ``Tensor.type()`` names.
+_TYPE_NAME_SCOPES = ("optimizer", "checkpoint")
 
 
 def _cpu_device(device):
@@ -39,8 +85,27 @@ def _cpu_device(device):
     return device
 
 
+class _NoStream:
+    """A CUDA stream/event stand-in: every method is a no-op; usable as a context manager."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
 class _CpuCuda:
-    """``torch.cuda`` as the schedule modules see it on a CPU-only machine."""
+    """``torch.cuda`` as the patched megatron modules see it while a CPU model runs."""
+
+    Stream = _NoStream
+    Event = _NoStream
 
     @staticmethod
     def current_device():
@@ -53,6 +118,22 @@ class _CpuCuda:
     @staticmethod
     def is_available():
         return False
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+    @staticmethod
+    def current_stream(device=None):
+        return _NoStream()
+
+    @staticmethod
+    def default_stream(device=None):
+        return _NoStream()
+
+    @staticmethod
+    def stream(s=None):
+        return contextlib.nullcontext()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -67,52 +148,115 @@ class _CpuTorch:
         attr = getattr(torch, name)
         if name in _FACTORIES:
             def factory(*args, device=None, **kwargs):
+                kwargs.pop("pin_memory", None)
                 return attr(*args, device=_cpu_device(device), **kwargs)
 
             return factory
         return attr
 
 
+_real_tensor_type = torch.Tensor.type
+
+
+def _cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+    """``Tensor.type()`` that names a CPU tensor's type as megatron's CUDA checks expect
+    (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``); conversions (``dtype`` given) and CUDA
+    tensors are answered by torch unchanged."""
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        name = _real_tensor_type(self)
+        return name.replace("torch.", "torch.cuda.", 1)
+    return _real_tensor_type(self, dtype, non_blocking, **kwargs)
+
+
 _lock = threading.RLock()
-_depth = 0
-_saved: list = []
+_module_depth: dict[str, int] = {}
+_module_saved: dict[str, object] = {}
+_type_depth = 0
 
 
-def _patched_modules():
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
+def _refuse_on_cuda_run() -> None:
+    import torch.distributed as dist
 
-    return [schedules, p2p_communication]
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        raise RuntimeError(
+            "nemo_fp8rl.models.cpu_schedules.cpu_megatron was asked to patch megatron in a process whose "
+            "default process group is NCCL: the CPU shims must never run on a CUDA run (a CPU model on a "
+            "GPU machine needs parallel.backend=gloo)"
+        )
+
+
+def _enter(scopes: tuple[str, ...]) -> None:
+    global _type_depth
+    proxy = None
+    for scope in scopes:
+        for name in SCOPES[scope]:
+            if _module_depth.get(name, 0) == 0:
+                mod = importlib.import_module(name)
+                _module_saved[name] = mod.torch
+                proxy = proxy or _CpuTorch()
+                mod.torch = proxy
+            _module_depth[name] = _module_depth.get(name, 0) + 1
+    if any(s in _TYPE_NAME_SCOPES for s in scopes):
+        if _type_depth == 0:
+            torch.Tensor.type = _cuda_named_type
+        _type_depth += 1
+
+
+def _exit(scopes: tuple[str, ...]) -> None:
+    global _type_depth
+    if any(s in _TYPE_NAME_SCOPES for s in scopes):
+        _type_depth -= 1
+        if _type_depth == 0:
+            torch.Tensor.type = _real_tensor_type
+    for scope in reversed(scopes):
+        for name in SCOPES[scope]:
+            _module_depth[name] -= 1
+            if _module_depth[name] == 0:
+                importlib.import_module(name).torch = _module_saved.pop(name)
+                del _module_depth[name]
 
 
 @contextlib.contextmanager
-def cpu_pipeline_schedules(enabled: bool = True) -> Iterator[None]:
-    """Make megatron's ``get_forward_backward_func()`` schedules run on CPU inside the block.
+def cpu_megatron(*scopes: str, device: "torch.device | str") -> Iterator[None]:
+    """Make megatron's code of ``scopes`` (keys of :data:`SCOPES`) run on CPU inside the block.
 
-    ``enabled`` is True for a model on the CPU (the actor passes ``model device == cpu``); with
-    ``enabled=False`` (a CUDA model) it does nothing. Re-entrant; restores the modules' ``torch`` on
-    exit, even on error.
+    ``device`` is the model's device: the CPU activates the shims; any other device makes the block
+    run megatron's code untouched. Re-entrant (nested and overlapping scopes share one patch);
+    restores every patched name on exit, even on error.
+
+    Raises:
+        KeyError: an unknown scope.
+        RuntimeError: activation in a process whose default process group is NCCL.
     """
-    global _depth
-    if not enabled:
+    for s in scopes:
+        if s not in SCOPES:
+            raise KeyError(f"unknown cpu_megatron scope {s!r}; valid: {sorted(SCOPES)}")
+    if torch.device(device).type != "cpu":
         yield
         return
+    _refuse_on_cuda_run()
     with _lock:
-        if _depth == 0:
-            proxy = _CpuTorch()
-            _saved.clear()
-            for mod in _patched_modules():
-                _saved.append((mod, mod.torch))
-                mod.torch = proxy
-        _depth += 1
+        _enter(scopes)
     try:
         yield
     finally:
         with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for mod, orig in _saved:
-                    mod.torch = orig
-                _saved.clear()
+            _exit(scopes)
 
 
-__all__ = ["cpu_pipeline_schedules"]
+@contextlib.contextmanager
+def cpu_pipeline_schedules(enabled: bool = True) -> Iterator[None]:
+    """``cpu_megatron("schedules")`` for a CPU model (``enabled``) or nothing (a CUDA model)."""
+    with cpu_megatron("schedules", device="cpu" if enabled else "meta"):
+        yield
+
+
+def patched_names() -> dict[str, list[str]]:
+    """Every name the shims rebind, by scope (what docs/megatron.md lists)."""
+    out = {s: [f"{m}.torch" for m in mods] for s, mods in SCOPES.items()}
+    for s in _TYPE_NAME_SCOPES:
+        out[s].append("torch.Tensor.type (no-argument call on a CPU tensor)")
+    return out
+
+
+__all__ = ["cpu_megatron", "cpu_pipeline_schedules", "patched_names", "SCOPES"]

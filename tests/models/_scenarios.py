@@ -48,14 +48,14 @@ def pg_loss(mb, logprobs, entropy, *, global_tokens, global_seqs):
 
 
 def run_actor(model_kw: dict, parallel_kw: dict, *, fp8: str | None = None, steps: int = 2, lr: float = 1e-3,
-              seed: int = 0, batch_seed: int = 1) -> dict:
+              seed: int = 0, batch_seed: int = 1, distributed: bool = False) -> dict:
     from nemo_fp8rl.fp8 import get_recipe
     from nemo_fp8rl.models import build_actor
 
     mc = ModelConfig(**model_kw)
     pc = ParallelConfig(**parallel_kw)
     actor = build_actor(mc, pc, fp8_recipe=get_recipe(fp8) if fp8 else None, seed=seed, lr=lr,
-                        weight_decay=0.01, grad_clip=1.0, device="cpu")
+                        weight_decay=0.01, grad_clip=1.0, device="cpu", distributed_optimizer=distributed)
     batch = make_batch(mc.vocab_size, seed=batch_seed)
     n = batch["tokens"].shape[0] // actor.dp_size
     part = {k: v[actor.dp_rank * n:(actor.dp_rank + 1) * n] for k, v in batch.items()}
@@ -68,6 +68,7 @@ def run_actor(model_kw: dict, parallel_kw: dict, *, fp8: str | None = None, step
         out["logprobs"].append(actor.get_logprobs(batch["tokens"])[0])
     out["final"] = actor.export_weights()
     out["layout"] = (actor.tp_size, actor.pp_size, actor.dp_size, actor.dp_rank)
+    out["optimizer_bytes"] = actor.optimizer_state_bytes()
     return out
 
 
@@ -90,6 +91,20 @@ REFERENCES = {
     "A_mxfp8": (CFG_A, dict(micro_batch_size=3), "mxfp8"),
     "B": (CFG_B, dict(micro_batch_size=6), None),
 }
+
+
+# megatron DDP + distributed optimizer (optim.distributed=true) against the same references: DP=2
+# shards the Adam state; TP=2 / PP=2 with tied embeddings and QK norms go through finalize_model_grads.
+DIST_LAYOUTS = {
+    "A_dp2_dist": (CFG_A, dict(micro_batch_size=2), None),
+    "B_tp2_dist": (CFG_B, dict(tensor_model_parallel_size=2, micro_batch_size=3), None),
+    "B_pp2_dist": (CFG_B, dict(pipeline_model_parallel_size=2, micro_batch_size=4), None),
+}
+
+
+def distributed_optimizer_layouts() -> dict:
+    """Every 2-process distributed-optimizer scenario in one launch."""
+    return {name: run_actor(cfg, par, fp8=fp8, distributed=True) for name, (cfg, par, fp8) in DIST_LAYOUTS.items()}
 
 
 def vocab_parallel_case() -> dict:
