@@ -459,8 +459,9 @@ def _check_memory(run: RunSettings, train, stage: str, config_name: str, setting
         fixes = [_scoped(f, stage) for f in suggest_fixes(cfg, options, world=world, gpus_per_node=run.gpus_per_node)]
         hint = ("; it would fit with " + " or ".join(fixes)) if fixes else "; use more GPUs per model replica"
         raise LaunchError(
-            f"memory plan: {stage} (TP={tp} x PP={pp} x DP={options.dp}) needs {plan.train_total / 2**30:.1f} GiB per "
-            f"GPU but {options.gpu_label} leaves {plan.available / 2**30:.1f} GiB ({plan.summary()}){hint}. "
+            f"memory plan: {stage} (TP={tp} x PP={pp} x DP={options.dp}, {plan.arm}, {plan.optimizer} optimizer) needs "
+            f"{plan.train_total / 2**30:.1f} GiB per GPU, but {options.gpu_label} leaves {plan.available / 2**30:.1f} GiB "
+            f"after {options.headroom:.0%} headroom{hint}. "
             f"`nemo-fp8rl-plan {stage}={config_name} <the same overrides>` prints the breakdown; +launcher.memory_plan=<gpu or GiB> "
             "names another GPU, +launcher.memory_plan=off skips this check"
         )
