@@ -773,6 +773,9 @@ def describe(cfg, options: PlanOptions, plan: MemoryPlan) -> str:
         f"{plan.in_flight} in flight on stage {plan.stage} (the most loaded, shown)",
         f"device {where}" + (f", headroom {options.headroom:.0%} (assumed)" if options.device == "gpu" else ""),
     ]
+    if options.device == "gpu" and cfg.fp8.use_te is False and cfg.fp8.recipe not in (None, "off"):
+        lines.append("fp8.use_te=false: the emulated FP8 spec on a GPU keeps float32 copies as the CPU profile "
+                     "does (--device cpu); this GPU profile models Transformer Engine")
     if options.device == "gpu":
         if plan.rollout is None:
             lines.append(f"rollout engine {cfg.rollout.engine!r}: runs on the host today (no GPU memory); "

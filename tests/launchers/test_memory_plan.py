@@ -377,6 +377,7 @@ def test_cli_cpu_plan_of_the_tiny_preset(capsys):
     (["model=qwen9"], ["model=qwen9", "qwen3_8b"]),
     (["model=qwen3_8b", "parallel.tensor_model_parallel_size=3"], ["tensor_model_parallel_size=3"]),
     (["model=qwen3_8b", "parallel=tp8", "--world-size", "12"], ["--world-size 12", "TP x PP = 8"]),
+    (["model=qwen3_8b", "fp8=rowwise", "parallel=tp8"], ["'rowwise' has no Transformer Engine recipe", "--device cpu"]),
     ([], ["give a config"]),
 ])
 def test_cli_bad_input_names_the_key(capsys, argv, words):
