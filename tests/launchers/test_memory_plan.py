@@ -66,8 +66,9 @@ out = {}
 for case in json.loads(sys.argv[1]):
     model = ModelConfig(**case["model"])
     mb, rows, T = case["micro_batch_size"], case["rows"], model.seq_length
+    kw = {"distributed_optimizer": True} if case["optimizer"] == "distributed" else {}
     actor = build_actor(model, ParallelConfig(micro_batch_size=mb), device="cpu", seed=0, lr=1e-3,
-                        fp8_recipe=get_recipe(case["fp8"]) if case["fp8"] else None)
+                        fp8_recipe=get_recipe(case["fp8"]) if case["fp8"] else None, **kw)
     g = torch.Generator().manual_seed(0)
     batch = {"tokens": torch.randint(0, model.vocab_size, (rows, T), generator=g), "mask": torch.ones(rows, T),
              "advantages": torch.randn(rows, generator=g)}
@@ -78,8 +79,12 @@ for case in json.loads(sys.argv[1]):
         actor.train_step(batch, loss_fn)
     params = list(actor.model.parameters())
     n_params = sum(p.numel() for p in params)
-    opt = sum(v.numel() * v.element_size() for s in actor.optimizer.state.values() for v in s.values()
-              if torch.is_tensor(v))
+    if kw:
+        from nemo_fp8rl.models.optim import optimizer_state_bytes
+        opt = optimizer_state_bytes(actor.optimizer)
+    else:
+        opt = sum(v.numel() * v.element_size() for s in actor.optimizer.state.values() for v in s.values()
+                  if torch.is_tensor(v))
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     saved = {}
     def pack(t):
@@ -89,10 +94,14 @@ for case in json.loads(sys.argv[1]):
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         actor.train_step({k: v[:mb] for k, v in batch.items()}, loss_fn)
+    # megatron DDP keeps the float32 gradients in a persistent buffer (torch AdamW: .grad, made each step)
+    grad_buffer = sum(b.grad_data.numel() * b.grad_data.element_size()
+                      for b in (*actor.ddp.buffers, *actor.ddp.expert_parallel_buffers)) if kw else 0
     out[case["name"]] = {
         "params": n_params, "param_tensors": len(params), "optimizer": opt, "saved": sum(saved.values()),
-        # steady-state peak: persistent weights + AdamW state (12 bytes/parameter) + what the step adds
-        "peak": 4 * n_params + opt + pk.peak - before,
+        "grad_buffer": grad_buffer,
+        # steady-state peak: the persistent weights, optimizer state and gradient buffer + what the step adds
+        "peak": 4 * n_params + opt + grad_buffer + pk.peak - before,
     }
     del actor, batch
     gc.collect()
@@ -104,12 +113,14 @@ MID_MODEL = dict(vocab_size=4096, make_vocab_size_divisible_by=128, num_layers=4
                  num_attention_heads=8, num_query_groups=2, kv_channels=80, ffn_hidden_size=1536, seq_length=256,
                  qk_layernorm=True)  # GQA, head dim != h / heads, Qwen3-style QK norm
 CASES = [
-    # name, model, micro batch, rows (microbatches = rows / micro batch), fp8 recipe
+    # name, model, micro batch, rows (microbatches = rows / micro batch), fp8 recipe[, optimizer]
     ("tiny", TINY_MODEL, 8, 16, None),
     ("tiny_tensorwise", TINY_MODEL, 8, 16, "tensorwise"),
     ("tiny_mxfp8", TINY_MODEL, 8, 16, "mxfp8"),
     ("mid", MID_MODEL, 2, 4, None),
     ("mid_blockwise", MID_MODEL, 2, 4, "blockwise"),
+    # megatron DDP (float32 grad buffer) + distributed optimizer at DP=1 (optim.distributed=true)
+    ("mid_distributed", MID_MODEL, 2, 4, None, "distributed"),
     # one microbatch: the gradients appear while the activations are freed, so the plan is an upper bound
     ("mha_tied_qknorm", dict(vocab_size=300, num_layers=2, hidden_size=128, num_attention_heads=4,
                              ffn_hidden_size=384, qk_layernorm=True, untie_embeddings_and_output_weights=False),
@@ -119,11 +130,11 @@ CASES = [
 ]
 
 
-def _cpu_plan(model_kw: dict, mb: int, rows: int, fp8):
+def _cpu_plan(model_kw: dict, mb: int, rows: int, fp8, optimizer: str = "adamw"):
     cfg = TrainConfig(model=ModelConfig(**model_kw), parallel=ParallelConfig(micro_batch_size=mb),
                       fp8=Fp8Config(recipe=fp8),
                       algorithm=AlgorithmConfig(prompts_per_step=rows // 2, group_size=2, minibatches_per_step=1))
-    return cfg, plan_arm(validate(cfg), PlanOptions(device="cpu"), recipe_name=fp8, optimizer="adamw")
+    return cfg, plan_arm(validate(cfg), PlanOptions(device="cpu"), recipe_name=fp8, optimizer=optimizer)
 
 
 def _has_mallinfo2() -> bool:
@@ -137,23 +148,30 @@ def _has_mallinfo2() -> bool:
 def measured():
     if not _has_mallinfo2():
         pytest.skip("peak heap is measured with glibc's mallinfo2 (glibc >= 2.33); not available here")
-    cases = [dict(name=n, model=m, micro_batch_size=mb, rows=r, fp8=f) for n, m, mb, r, f in CASES]
+    cases = [dict(name=c[0], model=c[1], micro_batch_size=c[2], rows=c[3], fp8=c[4],
+                  optimizer=c[5] if len(c) > 5 else "adamw") for c in CASES]
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cases)], capture_output=True, text=True,
                           timeout=300, cwd=str(REPO), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name,model_kw,mb,rows,fp8", CASES, ids=[c[0] for c in CASES])
-def test_plan_matches_a_megatron_model_trained_on_cpu(measured, name, model_kw, mb, rows, fp8):
-    cfg, plan = _cpu_plan(model_kw, mb, rows, fp8)
+@pytest.mark.parametrize("name,model_kw,mb,rows,fp8,optimizer", [(*c[:5], c[5] if len(c) > 5 else "adamw")
+                                                                  for c in CASES], ids=[c[0] for c in CASES])
+def test_plan_matches_a_megatron_model_trained_on_cpu(measured, name, model_kw, mb, rows, fp8, optimizer):
+    cfg, plan = _cpu_plan(model_kw, mb, rows, fp8, optimizer)
     got = measured[name]
     shape = model_shape(cfg.model, 1)
     # parameters: megatron's model holds exactly what the plan counts
     assert got["params"] == stage_parameters(shape, 1, 1, 0).total
     assert plan.components["weights"] == 4 * got["params"]
-    # AdamW: two float32 moments per parameter (+ one float32 step counter per parameter tensor)
-    assert got["optimizer"] == plan.components["optimizer"] + 4 * got["param_tensors"]
+    # Adam: two float32 moments per parameter (+ a float32 step counter per parameter tensor for torch
+    # AdamW, one per parameter group for megatron's optimizer)
+    if optimizer == "adamw":
+        assert got["optimizer"] == plan.components["optimizer"] + 4 * got["param_tensors"]
+    else:
+        assert 0 <= got["optimizer"] - plan.components["optimizer"] <= 4 * got["param_tensors"]
+        assert got["grad_buffer"] == pytest.approx(plan.components["grads"], rel=0.01)  # up to bucket padding
     # saved for backward (one microbatch): the plan's activations and weight copies, without the
     # logits gradient and temporaries of the backward (12 bytes per token per vocabulary entry)
     tokens = mb * cfg.model.seq_length
