@@ -110,7 +110,7 @@ print(json.dumps(out))
 
 TINY_MODEL = dict(vocab_size=16)  # the tiny preset (ModelConfig defaults) with the arithmetic task's 16 tokens
 MID_MODEL = dict(vocab_size=4096, make_vocab_size_divisible_by=128, num_layers=4, hidden_size=512,
-                 num_attention_heads=8, num_query_groups=2, kv_channels=80, ffn_hidden_size=1536, seq_length=256,
+                 num_attention_heads=8, num_query_groups=2, kv_channels=80, ffn_hidden_size=1536, seq_length=128,
                  qk_layernorm=True)  # GQA, head dim != h / heads, Qwen3-style QK norm
 CASES = [
     # name, model, micro batch, rows (microbatches = rows / micro batch), fp8 recipe[, optimizer]
