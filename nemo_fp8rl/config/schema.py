@@ -61,7 +61,8 @@ class RolloutConfig:
     """Generation."""
 
     engine: str = "torch"
-    """Rollout engine registry name (in-process torch sampler with a KV cache)."""
+    """Rollout engine registry name: torch (in-process sampler with a KV cache, emulates every rollout FP8
+    scheme) | vllm (vLLM's offline engine; ``pip install nemo-fp8rl[vllm]``; FP8 off on CPU). docs/rollout.md."""
     temperature: float = 1.0
     """Sampling temperature (also divides the trainer's logits, verl convention)."""
     top_p: float = 1.0
@@ -70,6 +71,14 @@ class RolloutConfig:
     """Longest response in tokens."""
     stop_on_eos: bool = True
     """Stop a sequence at EOS."""
+    sync_bucket_mb: float = 512.0
+    """vllm: weight sync streams the actor's weights to the engine in buckets of at most this many MiB
+    (one tensor larger than a bucket is sent alone); bounds the extra memory of a sync."""
+    tensor_parallel_size: int = 1
+    """vllm: tensor-parallel size of the engine (GPU; must be 1 on CPU)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of GPU memory the engine may take for weights and KV cache (GPU only; ignored on
+    CPU, where VLLM_CPU_KVCACHE_SPACE sets the KV cache in GiB)."""
     fp8: RolloutFp8Config = field(default_factory=RolloutFp8Config)
 
 
@@ -315,6 +324,29 @@ def _fp8_keys(msg: str) -> str:
     return re.sub(r"(?<![\w.])(" + "|".join(names) + r")\b", r"fp8.\1", msg)
 
 
+def _validate_rollout_engine(cfg: TrainConfig) -> None:
+    """``rollout.engine`` and its vllm keys; FP8 rollout with vllm where vLLM cannot run it."""
+    from nemo_fp8rl.rollout import rollout_engine_names
+
+    r = cfg.rollout
+    _choice("rollout.engine", r.engine, rollout_engine_names())
+    if not (isinstance(r.sync_bucket_mb, (int, float)) and math.isfinite(r.sync_bucket_mb) and r.sync_bucket_mb > 0):
+        raise ConfigError(f"rollout.sync_bucket_mb={r.sync_bucket_mb!r} must be a number of MiB > 0 (default 512)")
+    if not (isinstance(r.tensor_parallel_size, int) and r.tensor_parallel_size >= 1):
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size!r} must be an integer >= 1")
+    if not 0.0 < r.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r} must be in (0, 1]")
+    if r.engine == "vllm":
+        from nemo_fp8rl.rollout.vllm_engine import check_vllm_supported
+
+        fp8_on = cfg.fp8.recipe not in (None, "off") and r.fp8.scheme != "off"
+        try:
+            check_vllm_supported(fp8_scheme=r.fp8.scheme if fp8_on else "off",
+                                 tensor_parallel_size=r.tensor_parallel_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Reject values and combinations that cannot work, naming the key and the fix. Returns cfg."""
     from nemo_fp8rl.fp8 import ROLLOUT_SCHEMES, list_recipes, resolve_recipe
@@ -363,6 +395,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
     if cfg.rollout.max_new_tokens < 1:
         raise ConfigError("rollout.max_new_tokens must be >= 1")
+    _validate_rollout_engine(cfg)
 
     _choice("calibration.upper_mode", c.upper_mode, ["balance", "quantile", "proportional", "fixed"])
     if c.interval < 1:

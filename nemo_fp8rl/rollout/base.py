@@ -13,7 +13,8 @@ Three small pieces keep engines interchangeable:
 - :class:`RolloutBatch`: the result, in one layout every engine must produce (below).
 - :class:`RolloutEngine` (a Protocol) and the registry :func:`get_rollout_engine` /
   :func:`register_rollout_engine`. ``"torch"`` is the in-process engine of
-  :mod:`nemo_fp8rl.rollout.torch_engine`; a vLLM engine registers itself under another name later.
+  :mod:`nemo_fp8rl.rollout.torch_engine`; ``"vllm"`` is vLLM's offline engine
+  (:mod:`nemo_fp8rl.rollout.vllm_engine`, optional dependency ``nemo-fp8rl[vllm]``).
 
 Layout of :class:`RolloutBatch` (B sequences, T positions)::
 
@@ -48,10 +49,17 @@ __all__ = [
 class SamplingParams:
     """How to sample one batch of responses.
 
-    ``rollout_logp`` is always ``log_softmax(logits / temperature)`` at the sampled token, taken
-    *before* the top-p cut and renormalisation (the convention of vLLM's sampled log-probs and verl), so
-    with ``temperature=1`` it is the policy's own log-probability whatever ``top_p`` is.
-    ``temperature=0`` means greedy decoding; its ``rollout_logp`` is ``log_softmax(logits)``.
+    ``rollout_logp`` convention ("sampling distribution", every engine): the log-probability of the
+    sampled token under the distribution it was drawn from, i.e. after temperature and the top-p cut,
+    renormalised over the nucleus K (the behaviour policy that TIS / IcePop correct for)::
+
+        q = softmax(logits / temperature);  rollout_logp = log q_tok - log sum_{j in K} q_j
+
+    This is vLLM's ``logprobs_mode="processed_logprobs"``. With ``top_p=1`` (K = the vocabulary) it is
+    ``log_softmax(logits / temperature)``, at ``temperature=1`` the policy's own log-probability; with
+    ``top_p < 1`` it exceeds that by ``-log sum_{j in K} q_j`` (vLLM's default ``raw_logprobs`` would
+    instead ignore the temperature). ``temperature=0`` means greedy decoding; its ``rollout_logp`` is
+    ``log_softmax(logits)`` (top-p does not apply).
     """
 
     temperature: float = 1.0
@@ -155,17 +163,24 @@ class RolloutEngine(Protocol):
 _ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 
 
-def register_rollout_engine(name: str) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:
+_OPTIONS: dict[str, tuple[str, ...]] = {}
+
+
+def register_rollout_engine(
+    name: str, options: tuple[str, ...] = ()
+) -> Callable[[Callable[..., RolloutEngine]], Callable[..., RolloutEngine]]:
     """Decorator: register a rollout-engine factory under ``name`` (re-registering a name raises).
 
     The factory is called as ``factory(model_cfg, fp8_scheme=..., train_recipe=..., eos_id=..., pad_id=...,
-    **kw)``.
+    **kw)``. ``options``: names of ``rollout.*`` config keys the factory takes as keyword arguments
+    (:func:`get_rollout_engine` passes them from its ``options`` object).
     """
 
     def deco(factory: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
         if name in _ENGINES:
             raise ValueError(f"rollout engine {name!r} is already registered ({_ENGINES[name]!r})")
         _ENGINES[name] = factory
+        _OPTIONS[name] = tuple(options)
         return factory
 
     return deco
@@ -174,6 +189,7 @@ def register_rollout_engine(name: str) -> Callable[[Callable[..., RolloutEngine]
 def _load_builtin_engines() -> None:
     # Imported here, not at module top, so `base` stays importable by engines without a cycle.
     import nemo_fp8rl.rollout.torch_engine  # noqa: F401  (registers "torch")
+    import nemo_fp8rl.rollout.vllm_engine  # noqa: F401  (registers "vllm"; imports vllm only when built)
 
 
 def rollout_engine_names() -> list[str]:
@@ -190,6 +206,7 @@ def get_rollout_engine(
     train_recipe: Any = None,
     eos_id: int,
     pad_id: int,
+    options: Any = None,
     **kw: Any,
 ) -> RolloutEngine:
     """Build the rollout engine registered as ``name``.
@@ -203,11 +220,15 @@ def get_rollout_engine(
             ``quantize_weight`` and ``quantize_activation``.
         train_recipe: the training FP8 recipe, needed by ``"same_as_train"``.
         eos_id, pad_id: token ids of end-of-sequence and padding.
-        **kw: engine-specific options (torch engine: ``device``, ``dtype``).
+        options: the ``rollout`` config section (or None): the keys the engine registered as options
+            (vllm: ``sync_bucket_mb``, ``tensor_parallel_size``, ``gpu_memory_utilization``) are passed on.
+        **kw: engine-specific options (torch engine: ``device``, ``dtype``; vllm: ``dtype``, ``max_num_seqs``).
     """
     _load_builtin_engines()
     if name not in _ENGINES:
         raise ValueError(
             f"unknown rollout engine {name!r} (config key rollout.engine); registered engines: {sorted(_ENGINES)}"
         )
+    if options is not None:
+        kw = {**{k: getattr(options, k) for k in _OPTIONS[name]}, **kw}
     return _ENGINES[name](model_cfg, fp8_scheme=fp8_scheme, train_recipe=train_recipe, eos_id=eos_id, pad_id=pad_id, **kw)

@@ -148,16 +148,49 @@ def test_same_seed_same_samples_other_seed_differs():
     assert not torch.equal(a.tokens, c.tokens)
 
 
-def test_tiny_top_p_is_greedy_and_reports_untruncated_logp():
+def test_tiny_top_p_is_greedy_and_reports_the_nucleus_logp():
     cfg = ModelConfig(**CONFIGS["llama"])
     eng = make_engine(cfg, logit_scale=1.0)
     g = torch.Generator().manual_seed(0)
     greedy = eng.generate(RAGGED, SamplingParams(temperature=0.0, max_new_tokens=8, stop_on_eos=False), g)
     nucleus = eng.generate(RAGGED, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=8, stop_on_eos=False), g)
     assert torch.equal(greedy.tokens, nucleus.tokens)
-    # log-probs are taken before the top-p renormalisation: log p(top token) < 0, not log 1 = 0
-    torch.testing.assert_close(greedy.rollout_logp, nucleus.rollout_logp, atol=1e-6, rtol=0)
-    assert float(nucleus.rollout_logp.sum()) < -1.0
+    # the nucleus is the top token alone: it was drawn with probability 1, so its rollout_logp is log 1 = 0
+    # (SamplingParams' convention), while greedy reports log_softmax(logits) < 0
+    assert torch.equal(nucleus.rollout_logp, torch.zeros_like(nucleus.rollout_logp))
+    assert float(greedy.rollout_logp.sum()) < -1.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_p_logp_is_the_renormalised_nucleus_logp(temperature):
+    """rollout_logp = log_softmax(logits / T)[tok] - log(nucleus mass), from a readable per-row reference."""
+    cfg = ModelConfig(**CONFIGS["llama"])
+    eng = make_engine(cfg, logit_scale=1.0)
+    top_p = 0.8
+    out = eng.generate(RAGGED, SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=8, stop_on_eos=False),
+                       torch.Generator().manual_seed(3))
+    logits = eng.forward(out.tokens).double()
+    checked = 0
+    for b in range(out.batch_size):
+        p, r = int(out.prompt_lens[b]), int(out.response_lens[b])
+        for t in range(p, p + r):
+            q = torch.softmax(logits[b, t - 1] / temperature, dim=-1)
+            order = q.argsort(descending=True).tolist()
+            nucleus, mass = [], 0.0
+            for j in order:  # the smallest set of most probable tokens whose mass reaches top_p
+                if mass >= top_p:
+                    break
+                nucleus.append(j)
+                mass += float(q[j])
+            tok = int(out.tokens[b, t])
+            assert tok in nucleus
+            want = math.log(float(q[tok])) - math.log(sum(float(q[j]) for j in nucleus))
+            assert abs(float(out.rollout_logp[b, t]) - want) < 1e-5, (b, t)
+            checked += 1
+    assert checked == int(out.mask.sum())
+    # the renormalisation matters here: some nucleus is smaller than the vocabulary
+    full = eng.logprobs(out.tokens, temperature=temperature) * out.mask
+    assert float((out.rollout_logp - full).max()) > 1e-3
 
 
 def test_temperature_scales_logp():
@@ -216,7 +249,7 @@ def test_bad_inputs_are_rejected_with_the_fix():
     with pytest.raises(RuntimeError, match="update_weights"):
         get_rollout_engine("torch", cfg, fp8_scheme="off", eos_id=EOS, pad_id=PAD).generate([[1]], SamplingParams(), g)
     with pytest.raises(ValueError, match="registered engines"):
-        get_rollout_engine("vllm", cfg, fp8_scheme="off", eos_id=EOS, pad_id=PAD)
+        get_rollout_engine("sglang", cfg, fp8_scheme="off", eos_id=EOS, pad_id=PAD)
     assert "torch" in rollout_engine_names()
     assert isinstance(eng, RolloutEngine)
 
