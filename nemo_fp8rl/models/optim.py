@@ -60,6 +60,13 @@ def build_distributed_optimizer(model, *, lr: float, weight_decay: float, adam_b
         ddp = DistributedDataParallel(model.config, ddp_cfg, model)
         # On the gloo backend every megatron group is already a gloo group: no duplicates.
         optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=dist.get_backend() != "gloo")
+    # megatron marks norms and biases with wd_mult=0 and leaves applying it (and the lr) to its
+    # OptimizerParamScheduler, which a constant-lr run does not need: apply both here, so that weight
+    # decay touches matrices only, as on the AdamW path.
+    for opt in chained(optimizer):
+        for group in opt.optimizer.param_groups:
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+            group["lr"] = lr * group.get("lr_mult", 1.0)
     return ddp, optimizer
 
 

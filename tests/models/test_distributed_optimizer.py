@@ -44,6 +44,14 @@ def _close(out, ref, name):
         torch.testing.assert_close(out["final"][k], ref["final"][k], atol=1e-4, rtol=1e-4, msg=f"{name} {k}")
 
 
+def _update_gap(out, ref) -> float:
+    """Largest |(out's weight change) - (ref's weight change)| over the two steps, relative to the
+    largest weight change of ref."""
+    scale = max(float((ref["final"][k] - ref["init"][k]).abs().max()) for k in ref["final"])
+    gap = max(float((out["final"][k] - ref["final"][k]).abs().max()) for k in ref["final"])
+    return gap / scale
+
+
 @pytest.mark.parametrize("name", list(S.DIST_LAYOUTS))
 def test_distributed_optimizer_matches_one_process_adamw(runs, name):
     refs, ranks = runs
@@ -52,11 +60,15 @@ def test_distributed_optimizer_matches_one_process_adamw(runs, name):
         out = res[name]
         assert all(torch.equal(out["init"][k], ref["init"][k]) for k in ref["init"])
         _close(out, ref, name)
+        if name != "B_tp2_dist":  # same GEMM shapes as the reference: measured 0.14% of the update
+            # (decay applied to norm weights, as megatron does without its lr scheduler, gives 1%)
+            assert _update_gap(out, ref) < 0.005, name
 
 
 def test_dp1_distributed_optimizer_equals_adamw(runs):
     refs, _ = runs
     _close(refs["A_dist"], refs["A"], "A_dist")
+    assert _update_gap(refs["A_dist"], refs["A"]) < 1e-4  # measured 2e-6: float rounding only
     assert (refs["A_dist"]["logprobs"][-1] - refs["A_dist"]["lp0"]).abs().max() > 1e-2  # it trained
 
 
