@@ -15,7 +15,8 @@ both rewritten after every part; a failing part is recorded, its traceback in ``
    process), plus the BF16 shadow forward relative to an FP8 train step.
 4. ``distopt``: ``optim.distributed=true`` on the GPU (TE spec, NCCL): BF16 parameters with float32
    main-parameter shards, 3 train steps against torch AdamW on float32 master weights (loss and
-   log-prob gaps), Adam state bytes, a per-rank checkpoint round trip, and the CPU shims refusing to
+   log-prob gaps), Adam state bytes, a per-rank and a dist_checkpointing (format 2) checkpoint round
+   trip (TE's FusedAdam counts steps per group), and the CPU shims refusing to
    activate in the NCCL process (``--dry-run``: the same on CPU with float32 parameters).
 5. ``grpo``: the tiny GRPO run on GPU with TE FP8 + Calibrated Clipping for a few steps (finite metrics).
 
@@ -307,11 +308,11 @@ def part_distopt(out: Path, dry: bool, left) -> dict:
     res = {"param_dtype": str(next(d.model.parameters()).dtype),
            "main_param_dtypes": sorted({str(p.dtype) for o in chained(d.optimizer)
                                         for grp in getattr(o, "shard_fp32_from_float16_groups", []) for p in grp}),
-           "optimizer_bytes": {"distributed": d.optimizer_state_bytes()}, "loss": {"distributed": [], "adamw": []}}
+           "optimizer_bytes": {}, "loss": {"distributed": [], "adamw": []}}
     for _ in range(3):
         res["loss"]["distributed"].append(float(d.train_step(batch, loss_fn)["train/loss"][0]))
         res["loss"]["adamw"].append(float(r.train_step(batch, loss_fn)["train/loss"][0]))
-    res["optimizer_bytes"]["adamw"] = r.optimizer_state_bytes()
+    res["optimizer_bytes"] = {"distributed": d.optimizer_state_bytes(), "adamw": r.optimizer_state_bytes()}
     m = batch["mask"].bool()
     res["logprob_gap_vs_adamw"] = float((d.get_logprobs(tokens.to(dev))[0] - r.get_logprobs(tokens.to(dev))[0])[m]
                                         .abs().mean())
@@ -324,6 +325,24 @@ def part_distopt(out: Path, dry: bool, left) -> dict:
     e.load_checkpoint_state(torch.load(buf, weights_only=False))
     e.train_step(batch, loss_fn)
     res["resume_max_abs_diff"] = float((e.get_logprobs(tokens.to(dev))[0] - want).abs().max())
+    # the layout-free (dist_checkpointing, format 2) checkpoint of the same state
+    from nemo_fp8rl.trainer.checkpoint import CheckpointManager
+
+    ckdir = Path(tempfile.mkdtemp(prefix="gpu_check_ckpt_"))
+    try:
+        buf.seek(0)
+        f = build_actor(mc, pc, seed=0, lr=1e-4, device=dev, distributed_optimizer=True)
+        f.load_checkpoint_state(torch.load(buf, weights_only=False))
+        sharded, local = f.sharded_checkpoint_state()
+        mgr = CheckpointManager(str(ckdir), device=dev)
+        mgr.save(1, {"actor_local": local}, {}, sharded=sharded)
+        g = build_actor(mc, pc, seed=6, lr=1e-4, device=dev, distributed_optimizer=True)
+        ck = mgr.load(1, {})
+        g.load_sharded_checkpoint([x["actor_local"] for x in ck.rank_states], ck.load_sharded)
+        g.train_step(batch, loss_fn)
+        res["dist_checkpoint_resume_max_abs_diff"] = float((g.get_logprobs(tokens.to(dev))[0] - want).abs().max())
+    finally:
+        shutil.rmtree(ckdir, ignore_errors=True)
     try:
         with cpu_megatron("optimizer", device="cpu"):
             pass
@@ -337,6 +356,8 @@ def part_distopt(out: Path, dry: bool, left) -> dict:
         problems.append("non-finite loss")
     if res["resume_max_abs_diff"] > 1e-3:
         problems.append(f"resume differs by {res['resume_max_abs_diff']:.3g}")
+    if res["dist_checkpoint_resume_max_abs_diff"] > 1e-3:
+        problems.append(f"dist_checkpointing resume differs by {res['dist_checkpoint_resume_max_abs_diff']:.3g}")
     if not dry and not res["cpu_shim_refused_on_nccl"]:
         problems.append("the CPU shims activated in an NCCL process")
     if problems:
@@ -422,7 +443,8 @@ def _headline_impl(name: str, res: dict) -> str:
     if name == "distopt":
         return (f"params {res.get('param_dtype')}, main {res.get('main_param_dtypes')}, "
                 f"logprob gap vs AdamW {res.get('logprob_gap_vs_adamw', float('nan')):.3g}, "
-                f"resume diff {res.get('resume_max_abs_diff', float('nan')):.3g}, "
+                f"resume diff {res.get('resume_max_abs_diff', float('nan')):.3g} "
+                f"(dist_checkpointing {res.get('dist_checkpoint_resume_max_abs_diff', float('nan')):.3g}), "
                 f"bytes {res.get('optimizer_bytes')}, shim refused {res.get('cpu_shim_refused_on_nccl')}")
     if name == "grpo":
         return (f"rc {res.get('rc')}, {res.get('steps', 0)} steps, finite {res.get('all_finite')}, "

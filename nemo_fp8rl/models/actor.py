@@ -45,9 +45,9 @@ from nemo_fp8rl.models.cpu_schedules import cpu_pipeline_schedules
 from nemo_fp8rl.models.gpt import build_gpt_model, padded_vocab_size, resolve_use_te
 from nemo_fp8rl.models.hf_weights import (
     count_parameters,
-    export_stage_hf,
     hf_names,
     init_hf_state_dict,
+    iter_stage_hf,
     load_stage_hf,
     stage_hf_names,
 )
@@ -468,25 +468,42 @@ class FP8Actor:
         }
 
     # ------------------------------------------------------------------ weights
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full model in Hugging Face naming, one tensor at a time: ``(name, float32 CPU tensor)``
+        on every rank, stage by stage (embedding, layers in order, final norm, head).
+
+        Each tensor is TP-gathered by its stage's ranks and broadcast over the pipeline group when it is
+        reached, so the extra memory is one tensor (and its TP parts), whatever the number of layers,
+        as long as the consumer does not keep them (the rollout engine's weight sync or a file writer).
+        Collective: every rank of the job must iterate it to the end, in step.
+        """
+        tp_group = self.tp_group if self.tp_size > 1 else None
+        if self.pp_size == 1:
+            yield from iter_stage_hf(self.model, self.model_cfg, tp_group)
+            return
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        for s, src in enumerate(ranks):
+            mine = iter_stage_hf(self.model, self.model_cfg, tp_group) if s == self.pp_rank else None
+            while True:
+                item = next(mine, None) if mine is not None else None
+                meta = [(item[0], tuple(item[1].shape)) if item is not None else None]
+                dist.broadcast_object_list(meta, src=src, group=self.pp_group)
+                if meta[0] is None:
+                    break
+                name, shape = meta[0]
+                if item is not None:
+                    t = item[1].to(self.device)
+                else:
+                    t = torch.empty(shape, dtype=torch.float32, device=self.device)
+                dist.broadcast(t, src=src, group=self.pp_group)
+                yield name, t.cpu()
+                del item, t
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full model in Hugging Face Llama/Qwen naming (TP-gathered, all PP stages), float32 CPU, on
-        every rank. ``lm_head.weight`` is present also when tied (equal to the embedding)."""
-        stage = export_stage_hf(self.model, self.model_cfg, self.tp_group if self.tp_size > 1 else None)
-        if self.pp_size == 1:
-            out = stage
-        else:
-            out = {}
-            ranks = dist.get_process_group_ranks(self.pp_group)
-            for s, src in enumerate(ranks):
-                meta = [[(n, tuple(t.shape)) for n, t in stage.items()] if s == self.pp_rank else None]
-                dist.broadcast_object_list(meta, src=src, group=self.pp_group)
-                for name, shape in meta[0]:
-                    if s == self.pp_rank:
-                        t = stage[name].to(self.device)
-                    else:
-                        t = torch.empty(shape, dtype=torch.float32, device=self.device)
-                    dist.broadcast(t, src=src, group=self.pp_group)
-                    out[name] = t.cpu()
+        every rank: :meth:`iter_weights` collected. ``lm_head.weight`` is present also when tied (equal
+        to the embedding)."""
+        out = dict(self.iter_weights())
         if "lm_head.weight" not in out:
             out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
         return {n: out[n] for n in hf_names(self.model_cfg)}
@@ -498,11 +515,27 @@ class FP8Actor:
         if self.ddp is not None:
             _optim.reload_main_params(self.optimizer, self.device)
 
-    def state_dict_for_checkpoint(self) -> dict:
-        """This rank's model shard, optimizer state, FP8 scaling state and reference (torch objects).
+    def sharded_checkpoint_state(self) -> tuple[dict, dict]:
+        """``(sharded, local)`` for a layout-free checkpoint (:mod:`nemo_fp8rl.models.checkpointing`):
+        megatron sharded tensors of the weights, Adam moments and reference weights (save them with
+        ``dist_checkpointing``), and this rank's small local state (FP8 scaling by global layer, Adam
+        step, layout). Collective over the world."""
+        from nemo_fp8rl.models.checkpointing import checkpoint_state
 
-        One file per rank (``rank_<global rank>.pt``) is the trainer's job; resuming needs the same
-        TP/PP layout (checked on load).
+        return checkpoint_state(self)
+
+    def load_sharded_checkpoint(self, rank_states: list, load_sharded: Callable[[dict], dict]) -> None:
+        """Inverse of :meth:`sharded_checkpoint_state`, from a checkpoint of any TP/PP/DP layout and
+        either optimizer (``rank_states``: every saved rank's local state; ``load_sharded``: megatron's
+        ``dist_checkpointing.load`` of a template). Collective over the world."""
+        from nemo_fp8rl.models.checkpointing import load_checkpoint
+
+        load_checkpoint(self, rank_states, load_sharded)
+
+    def state_dict_for_checkpoint(self) -> dict:
+        """This rank's model shard, optimizer state, FP8 scaling state and reference (torch objects):
+        the per-rank (format 1) checkpoint, same TP/PP layout required on load (checked). The trainer
+        writes :meth:`sharded_checkpoint_state` instead and reads both.
         """
         from nemo_fp8rl.fp8.megatron import fp8_states
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -267,21 +267,24 @@ def _hf_keys_for(role: str, prefix: str, cfg: ModelConfig) -> list[str]:
     }[role.split(".")[0]]
 
 
-def export_stage_hf(model, cfg: ModelConfig, tp_group) -> dict[str, torch.Tensor]:
-    """HF tensors of this pipeline stage, TP-gathered (every TP rank gets them), float32 on CPU.
+def iter_stage_hf(model, cfg: ModelConfig, tp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of this pipeline stage one at a time, ``(name, float32 CPU tensor)``, TP-gathered
+    (every TP rank gets each), in stage order: embedding, layers in order, final norm, head.
 
-    Collective over ``tp_group``: every TP rank of the stage must call it.
+    Collective over ``tp_group``: every TP rank of the stage must iterate it to the end. Extra memory:
+    the tensor being gathered (its TP parts and the full tensor), nothing of earlier tensors unless the
+    caller keeps them.
     """
     tp = _Tp(tp_group)
     glu = cfg.activation == "swiglu"
-    out: dict[str, torch.Tensor] = {}
 
     def put(name, t):
-        out[name] = t.detach().to(device="cpu", dtype=torch.float32, copy=True)
+        return name, t.detach().to(device="cpu", dtype=torch.float32, copy=True)
 
     if getattr(model, "pre_process", False):
         emb = torch.cat(tp.gather(model.embedding.word_embeddings.weight.detach()), 0)
-        put("model.embed_tokens.weight", emb[: cfg.vocab_size])
+        yield put("model.embed_tokens.weight", emb[: cfg.vocab_size])
+        del emb
     for layer in model.decoder.layers:
         i = layer.layer_number - 1
         prefix = f"model.layers.{i}."
@@ -292,28 +295,34 @@ def export_stage_hf(model, cfg: ModelConfig, tp_group) -> dict[str, torch.Tensor
             layout = _LAYOUT[role]
             t = t.detach()
             if layout == "rep":
-                put(keys[0], t)
+                yield put(keys[0], t)
             elif layout == "row":
-                put(keys[0], torch.cat(tp.gather(t), 1))
+                yield put(keys[0], torch.cat(tp.gather(t), 1))
             elif layout == "qkv":
                 for key, part in zip(keys, _qkv_to_hf(torch.cat(tp.gather(t), 0), cfg)):
-                    put(key, part)
+                    yield put(key, part)
             elif layout == "col" and glu:
                 parts = [p.chunk(2, 0) for p in tp.gather(t)]
-                put(keys[0], torch.cat([g for g, _ in parts], 0))
-                put(keys[1], torch.cat([u for _, u in parts], 0))
+                yield put(keys[0], torch.cat([g for g, _ in parts], 0))
+                yield put(keys[1], torch.cat([u for _, u in parts], 0))
+                del parts
             else:  # col, not gated
-                put(keys[0], torch.cat(tp.gather(t), 0))
+                yield put(keys[0], torch.cat(tp.gather(t), 0))
     if getattr(model, "post_process", False):
         fn = model.decoder.final_layernorm
-        put("model.norm.weight", fn.weight)
+        yield put("model.norm.weight", fn.weight)
         if getattr(fn, "bias", None) is not None:
-            put("model.norm.bias", fn.bias)
+            yield put("model.norm.bias", fn.bias)
         head = model.output_layer.weight
         if head is None:  # tied on a single stage: the head is the embedding
             head = model.embedding.word_embeddings.weight
-        put("lm_head.weight", torch.cat(tp.gather(head.detach()), 0)[: cfg.vocab_size])
-    return out
+        yield put("lm_head.weight", torch.cat(tp.gather(head.detach()), 0)[: cfg.vocab_size])
+
+
+def export_stage_hf(model, cfg: ModelConfig, tp_group) -> dict[str, torch.Tensor]:
+    """HF tensors of this pipeline stage, TP-gathered (every TP rank gets them), float32 on CPU
+    (:func:`iter_stage_hf` collected). Collective over ``tp_group``."""
+    return dict(iter_stage_hf(model, cfg, tp_group))
 
 
 def stage_hf_names(model, cfg: ModelConfig) -> list[str]:
@@ -399,6 +408,7 @@ __all__ = [
     "count_parameters",
     "init_hf_state_dict",
     "export_stage_hf",
+    "iter_stage_hf",
     "stage_hf_names",
     "load_stage_hf",
 ]

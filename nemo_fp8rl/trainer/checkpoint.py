@@ -1,15 +1,27 @@
 """Atomic, multi-rank checkpoints: ``<output_dir>/checkpoints/step_<N>/`` plus a ``latest`` pointer.
 
+Two formats share one directory protocol:
+
+- format 1 (``save(step, state, fingerprint)``): each rank's state in ``rank_<r>.pt``; resuming needs
+  the same world and the same config, ``parallel.*`` included;
+- format 2 (``save(..., sharded=...)``, what the trainer writes): the model, optimizer and reference
+  weights as megatron ``dist_checkpointing`` sharded tensors in ``dist/`` (global keys: any TP/PP/DP
+  layout loads them), plus each rank's small local state (FP8 scaling, RNG, data position) in
+  ``rank_<r>.pt``; resuming may change ``parallel.*`` and the world size. :meth:`load` returns a
+  :class:`ShardedCheckpoint` (every rank's local state, and ``load_sharded(template)``).
+
 Write protocol (a kill at any moment leaves either the previous checkpoint or the new one, never a
 half-written one that looks complete):
 
 1. every rank writes ``rank_<r>.pt`` into ``checkpoints/.tmp-step_<N>/`` (write to a temporary file,
-   flush, fsync, rename into place), plus rank 0 writes ``meta.json`` (step, world layout, per-file
-   sizes and SHA-256, the model-shaping config) last;
+   flush, fsync, rename into place) and, in format 2, its shards into ``.tmp-step_<N>/dist/``
+   (megatron's writer); rank 0 then writes ``meta.json`` (step, world layout, size and SHA-256 of
+   every file, the model-shaping config) last;
 2. barrier; rank 0 fsyncs the directory and renames ``.tmp-step_<N>`` to ``step_<N>`` (atomic on one
    filesystem), then rewrites ``latest`` (temp file + rename) and prunes to the last K;
-3. loading checks that ``meta.json`` exists, that every rank file is present with the recorded size
-   and hash, and that the layout and model config match, and raises naming the file otherwise.
+3. loading checks that ``meta.json`` exists, that every file is present with the recorded size and
+   hash (format 2: the ranks split the ``dist/`` files between them), and that the config matches,
+   and raises naming the file otherwise.
 """
 
 from __future__ import annotations
@@ -20,13 +32,17 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 STEP_RE = re.compile(r"^step_(\d+)$")
+DIST_DIR = "dist"
+# Config keys a format-2 checkpoint may change on resume (the sharded state is layout-free).
+RESHARDABLE_PREFIXES = ("parallel.",)
 
 
 class CheckpointError(RuntimeError):
@@ -77,12 +93,91 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@dataclass
+class ShardedCheckpoint:
+    """A verified format-2 checkpoint: every saved rank's local state and the sharded-state loader.
+
+    ``rank_states[r]`` is what rank r passed as ``state`` to :meth:`CheckpointManager.save`;
+    ``load_sharded(template)`` runs megatron's ``dist_checkpointing.load`` of ``template`` (a sharded
+    state dict of this run's layout) from ``directory/dist`` (collective: every rank calls it).
+    """
+
+    step: int
+    directory: Path
+    saved_world_size: int
+    rank_states: List[Dict[str, Any]]
+    load_sharded: Callable[[dict], dict] = field(repr=False)
+    format: int = 2
+
+
+def _sha256_file(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
+
+
+def _exit_with_parent() -> None:
+    """Runs in megatron's results-queue manager process: ask Linux to SIGTERM it when its parent dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+    except (OSError, AttributeError):
+        pass
+
+
+def _results_queue_dies_with_us() -> None:
+    """megatron's writer lazily starts a multiprocessing Manager (a spawned server process) for its
+    results queue and never stops it: after a ``kill -9`` of the trainer it lives on (~270 MB each,
+    one per killed run). Start that manager ourselves, once per process, with an initializer that
+    makes it exit with its parent, and hand megatron its queue."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))  # what megatron's ctx.Manager() starts
+        manager.start(initializer=_exit_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+
+
+def _dist_save(sharded: dict, directory: Path, device) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    from nemo_fp8rl.models.cpu_schedules import cpu_megatron
+
+    _results_queue_dies_with_us()
+    with cpu_megatron("checkpoint", device=device):
+        strategy = get_default_save_sharded_strategy()
+        if _world() > 1:  # each rank writes a share of the replicated tensors (megatron's usual setting)
+            strategy = FullyParallelSaveStrategyWrapper(strategy)
+        dist_checkpointing.save(sharded, str(directory), sharded_strategy=strategy)
+
+
+def _dist_load(template: dict, directory: Path, device) -> dict:
+    from megatron.core import dist_checkpointing
+
+    from nemo_fp8rl.models.cpu_schedules import cpu_megatron
+
+    with cpu_megatron("checkpoint", device=device):
+        return dist_checkpointing.load(template, str(directory))
+
+
 class CheckpointManager:
     """Save/load/prune checkpoints of one run directory (all ranks call save and load together)."""
 
-    def __init__(self, output_dir: str, keep_last: int = 3) -> None:
+    def __init__(self, output_dir: str, keep_last: int = 3, device="cpu") -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
+        # Where the model lives: a CPU model's sharded save/load runs megatron inside the CPU shims.
+        self.device = device
 
     # ------------------------------------------------------------------ discovery
     def steps(self) -> list[int]:
@@ -108,8 +203,10 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: Dict[str, Any], fingerprint: Dict[str, Any]) -> Path:
-        """Write this rank's ``state`` for ``step``; returns the final directory.
+    def save(self, step: int, state: Dict[str, Any], fingerprint: Dict[str, Any], *,
+             sharded: Optional[dict] = None) -> Path:
+        """Write this rank's ``state`` for ``step`` (and, format 2, its part of ``sharded``, a megatron
+        sharded state dict saved collectively with ``dist_checkpointing``); returns the final directory.
 
         ``fingerprint``: the config keys that shape the model and layout (compared on load).
         """
@@ -140,8 +237,14 @@ class CheckpointManager:
             dist.all_gather_object(files, {"name": f"rank_{rank}.pt", "bytes": len(data), "sha256": digest})
         else:
             files = [{"name": "rank_0.pt", "bytes": len(data), "sha256": digest}]
+        dist_files = []
+        if sharded is not None:
+            dist_files = self._save_sharded(tmp, sharded, self.device)
         if rank == 0:
-            meta = {"step": step, "world_size": world, "files": files, "fingerprint": fingerprint, "format": 1}
+            meta = {"step": step, "world_size": world, "files": files, "fingerprint": fingerprint,
+                    "format": 1 if sharded is None else 2}
+            if sharded is not None:
+                meta["dist_files"] = dist_files
             atomic_write_bytes(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True).encode())
             _fsync_dir(tmp)
         _barrier()
@@ -161,6 +264,48 @@ class CheckpointManager:
         _barrier()
         return final
 
+    def _save_sharded(self, tmp: Path, sharded: dict, device) -> list:
+        """megatron's collective sharded save into ``tmp/dist``; rank 0 returns [{name, bytes, sha256}]
+        of every file written there. A failure on any rank removes ``tmp`` and raises on every rank."""
+        rank = _rank()
+        d = tmp / DIST_DIR
+        err = ""
+        try:
+            if rank == 0:
+                d.mkdir()
+            _barrier()
+            _dist_save(sharded, d, device)
+        except BaseException as e:  # noqa: BLE001
+            # megatron's writer reports an OSError (disk full) as torch's CheckpointException, a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            err = f"writing {d} failed: {getattr(e, 'strerror', None) or str(e).splitlines()[-1][:500]}"
+        errs = [err]
+        if _world() > 1:
+            errs = [None] * _world()
+            dist.all_gather_object(errs, err)
+        bad = [e for e in errs if e]
+        if bad:
+            _barrier()
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                free = f" ({shutil.disk_usage(self.root).free} bytes free there)"
+            except OSError:
+                free = ""
+            raise CheckpointError(
+                f"{bad[0]}; the partial checkpoint was removed and older checkpoints in {self.root}{free} are "
+                "intact. Free space or move output_dir."
+            )
+        _barrier()
+        if rank != 0:
+            return []
+        out = []
+        for p in sorted(x for x in d.rglob("*") if x.is_file()):
+            n, h = _sha256_file(p)
+            out.append({"name": str(p.relative_to(tmp)), "bytes": n, "sha256": h})
+        return out
+
     def prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints; drop stale temporary directories."""
         for p in self.root.iterdir():
@@ -174,8 +319,12 @@ class CheckpointManager:
             shutil.rmtree(doomed, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load(self, step: int, fingerprint: Dict[str, Any]) -> Dict[str, Any]:
-        """Verify and load this rank's state of ``step``; raise :class:`CheckpointError` naming the problem."""
+    def load(self, step: int, fingerprint: Dict[str, Any]):
+        """Verify and load ``step``; raise :class:`CheckpointError` naming the problem.
+
+        Format 1: this rank's state dict (same world size and config required). Format 2: a
+        :class:`ShardedCheckpoint` (``parallel.*`` keys and the world size may differ).
+        """
         d = self.root / f"step_{step}"
         meta_path = d / "meta.json"
         if not meta_path.is_file():
@@ -184,13 +333,19 @@ class CheckpointManager:
             meta = json.loads(meta_path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{meta_path} is unreadable ({e}); delete {d} to resume from an older checkpoint") from e
+        fmt = meta.get("format", 1)
+        if fmt not in (1, 2):
+            raise CheckpointError(f"{meta_path}: unknown checkpoint format {fmt!r}; this nemo_fp8rl reads formats 1 and 2")
         world = _world()
-        if meta.get("world_size") != world:
+        if fmt == 1 and meta.get("world_size") != world:
             raise CheckpointError(
                 f"{meta_path}: saved with world size {meta.get('world_size')}, resuming with {world}; "
-                "resume with the same number of ranks (TP x PP x DP)"
+                "resume with the same number of ranks (TP x PP x DP): this is a per-rank (format 1) checkpoint, "
+                "which cannot change layout (checkpoints written since format 2 can)"
             )
         diff = diff_fingerprints(meta.get("fingerprint", {}), fingerprint)
+        if fmt == 2:
+            diff = [x for x in diff if not x[0].startswith(RESHARDABLE_PREFIXES)]
         if diff:
             lines = "; ".join(f"{k}: checkpoint={a!r} now={b!r}" for k, a, b in diff)
             raise CheckpointError(
@@ -198,10 +353,45 @@ class CheckpointManager:
                 "resume with the original values or start a new output_dir"
             )
         rank = _rank()
-        entry = meta["files"][rank]
+        if fmt == 1:
+            return self._read_rank_file(d, meta["files"][rank], f"rank {rank} shard of step {step}")
+        # Format 2: the dist/ files are verified by the ranks in turn (file i by rank i mod world); the
+        # first problem any rank found is raised on every rank.
+        err = ""
+        try:
+            for i, entry in enumerate(meta.get("dist_files", [])):
+                if i % world == rank:
+                    self._verify_file(d, entry)
+            states = [self._read_rank_file(d, entry, f"local state of saved rank {r}")
+                      for r, entry in enumerate(meta["files"])]
+        except CheckpointError as e:
+            err = str(e)
+        errs = [err]
+        if world > 1:
+            errs = [None] * world
+            dist.all_gather_object(errs, err)
+        bad = [e for e in errs if e]
+        if bad:
+            raise CheckpointError(bad[0])
+        return ShardedCheckpoint(step=step, directory=d, saved_world_size=meta["world_size"], rank_states=states,
+                                 load_sharded=lambda template: _dist_load(template, d / DIST_DIR, self.device))
+
+    @staticmethod
+    def _verify_file(d: Path, entry: dict) -> None:
         path = d / entry["name"]
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing (rank {rank} shard of step {step})")
+            raise CheckpointError(f"{path} is missing")
+        n, h = _sha256_file(path)
+        if n != entry["bytes"]:
+            raise CheckpointError(f"{path} is truncated or altered: {n} bytes, meta.json records {entry['bytes']}")
+        if h != entry["sha256"]:
+            raise CheckpointError(f"{path} is corrupt: its SHA-256 does not match meta.json")
+
+    @staticmethod
+    def _read_rank_file(d: Path, entry: dict, what: str) -> Dict[str, Any]:
+        path = d / entry["name"]
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing ({what})")
         data = path.read_bytes()
         if len(data) != entry["bytes"]:
             raise CheckpointError(

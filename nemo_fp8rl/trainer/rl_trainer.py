@@ -465,10 +465,15 @@ class RLTrainer:
         return loss_fn
 
     # ------------------------------------------------------------------ checkpoints
-    def _state(self) -> dict:
-        return {
+    def _state(self) -> tuple[dict, dict]:
+        """``(local, sharded)``: this rank's small state (trainer, data position, RNG, the actor's local
+        part) and the actor's megatron sharded state (weights, Adam moments, reference)."""
+        sharded, actor_local = self.actor.sharded_checkpoint_state()
+        local = {
             "step": self.step_idx,
-            "actor": self.actor.state_dict_for_checkpoint(),
+            "actor_local": actor_local,
+            "dp_rank": self.actor.dp_rank,
+            "dp_size": self.actor.dp_size,
             "task": self.task.state_dict(),
             "calibrator": self.calibrator.state_dict() if self.calibrator is not None else None,
             "monitor": self.monitor.state_dict(),
@@ -477,23 +482,58 @@ class RLTrainer:
             "counters": {"consecutive_skips": self.consecutive_skips, "skipped_total": self.skipped_total,
                          "unstable_steps": self.unstable_steps},
         }
+        return local, sharded
 
-    def _restore(self, st: dict) -> None:
+    def _restore(self, st) -> None:
+        """Restore from a checkpoint: a :class:`~nemo_fp8rl.trainer.checkpoint.ShardedCheckpoint`
+        (format 2, any layout) or a per-rank state dict (format 1, same layout)."""
+        from nemo_fp8rl.trainer.checkpoint import ShardedCheckpoint
+
+        if not isinstance(st, ShardedCheckpoint):
+            self.actor.load_checkpoint_state(st["actor"])
+            self._restore_run_state(st, per_rank=True)
+            return
+        self.ckpt.device = self.actor.device
+        states = st.rank_states
+        self.actor.load_sharded_checkpoint([s["actor_local"] for s in states], st.load_sharded)
+        a = self.actor
+        # Per-DP-rank streams (prompts, sampling, minibatch order) continue exactly when the DP size is
+        # unchanged: take them from a saved rank of this DP rank (the one at this rank's coordinates
+        # if the layout is unchanged). With another DP size there is no such rank: this rank keeps the
+        # streams it was built with (seeded by its DP rank), so the data order differs from the
+        # uninterrupted run from here on.
+        same_dp = states[0]["dp_size"] == a.dp_size
+        me = {"tp_rank": a.tp_rank, "pp_rank": a.pp_rank, "dp_rank": a.dp_rank}
+        src = None
+        if same_dp:
+            src = next((s for s in states if s["actor_local"]["coords"] == me), None) or \
+                next(s for s in states if s["dp_rank"] == a.dp_rank)
+        else:
+            logger.warning("resuming step %d saved at DP=%d with DP=%d: weights, optimizer and calibration state "
+                           "are restored; each data-parallel rank's prompt and sampling streams restart from their "
+                           "seeds", st.step, states[0]["dp_size"], a.dp_size)
+        self._restore_run_state(src if src is not None else states[0], per_rank=src is not None)
+
+    def _restore_run_state(self, st: dict, per_rank: bool) -> None:
+        """Shared state (step, calibration, monitor, counters); with ``per_rank`` also this DP rank's
+        data position and RNG streams."""
         self.step_idx = int(st["step"])
-        self.actor.load_checkpoint_state(st["actor"])
-        self.task.load_state_dict(st["task"])
         if self.calibrator is not None:
             self.calibrator.load_state_dict(st["calibrator"])
         self.monitor.load_state_dict(st["monitor"])
-        self.rollout_gen.set_state(st["rng"]["rollout"])
-        self.shuffle_gen.set_state(st["rng"]["shuffle"])
-        torch.set_rng_state(st["rng"]["torch"])
         self.consecutive_skips = st["counters"]["consecutive_skips"]
         self.skipped_total = st["counters"]["skipped_total"]
         self.unstable_steps = st["counters"].get("unstable_steps", 0)  # absent in checkpoints before it existed
+        if per_rank:
+            self.task.load_state_dict(st["task"])
+            self.rollout_gen.set_state(st["rng"]["rollout"])
+            self.shuffle_gen.set_state(st["rng"]["shuffle"])
+            torch.set_rng_state(st["rng"]["torch"])
 
     def save_checkpoint(self) -> Path:
-        return self.ckpt.save(self.step_idx, self._state(), model_fingerprint(self.cfg))
+        local, sharded = self._state()
+        self.ckpt.device = self.actor.device
+        return self.ckpt.save(self.step_idx, local, model_fingerprint(self.cfg), sharded=sharded)
 
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, _frame) -> None:

@@ -139,3 +139,81 @@ def all_layouts() -> dict:
     for name, (cfg, par, fp8) in LAYOUTS.items():
         out[name] = run_actor(cfg, par, fp8=fp8)
     return out
+
+
+# ------------------------------------------------------------------ layout-free checkpoints
+RESHARD_CFG = CFG_A  # untied, GQA, QKV bias; vocabulary padded to 24 rows at TP=1 and 32 at TP=2
+
+
+def _ckpt_actor(parallel_kw: dict, distributed: bool, seed: int = 0):
+    from nemo_fp8rl.models import build_actor
+
+    return build_actor(ModelConfig(**RESHARD_CFG), ParallelConfig(**parallel_kw), seed=seed, lr=1e-3,
+                       weight_decay=0.01, grad_clip=1.0, device="cpu", distributed_optimizer=distributed,
+                       keep_reference=True)
+
+
+def _dp_part(actor, batch):
+    n = batch["tokens"].shape[0] // actor.dp_size
+    return {k: v[actor.dp_rank * n:(actor.dp_rank + 1) * n] for k, v in batch.items()}
+
+
+def _save(actor, directory: str, step: int):
+    from nemo_fp8rl.trainer.checkpoint import CheckpointManager
+
+    sharded, local = actor.sharded_checkpoint_state()
+    CheckpointManager(directory).save(step, {"actor_local": local}, {"model": "A"}, sharded=sharded)
+
+
+def _resume(actor, directory: str, step: int) -> None:
+    from nemo_fp8rl.trainer.checkpoint import CheckpointManager
+
+    ck = CheckpointManager(directory).load(step, {"model": "A"})
+    actor.load_sharded_checkpoint([s["actor_local"] for s in ck.rank_states], ck.load_sharded)
+
+
+def _after_resume(actor, batch) -> dict:
+    """What the resumed actor holds, then one more step: weights at the checkpoint, the reference
+    policy's log-probs, the next step's metrics and weights."""
+    out = {"loaded": actor.export_weights(), "ref_lp": actor.get_reference_logprobs(batch["tokens"])[0]}
+    out["metrics"] = metrics_to_floats(actor.train_step(_dp_part(actor, batch), pg_loss))
+    out["final"] = actor.export_weights()
+    out["layout"] = (actor.tp_size, actor.pp_size, actor.dp_size, actor.distributed_optimizer)
+    return out
+
+
+def reshard_uninterrupted() -> dict:
+    """One process, TP=PP=DP=1: two steps with a checkpoint-free trajectory (the reference)."""
+    actor = _ckpt_actor(dict(micro_batch_size=6), distributed=False)
+    batch = make_batch(RESHARD_CFG["vocab_size"])
+    actor.train_step(batch, pg_loss)
+    out = {"at_ckpt": actor.export_weights(), "ref_lp": actor.get_reference_logprobs(batch["tokens"])[0]}
+    out["metrics"] = metrics_to_floats(actor.train_step(batch, pg_loss))
+    out["final"] = actor.export_weights()
+    return out
+
+
+def reshard_checkpoints(directory: str) -> dict:
+    """2 ranks: one step at TP=2 (AdamW), save; resume at TP=1 x DP=2, at PP=2, and at DP=2 with the
+    distributed optimizer; that run saves again (distributed optimizer, DP=2) and TP=2 resumes it."""
+    import os
+
+    batch = make_batch(RESHARD_CFG["vocab_size"])
+    out = {}
+    first = os.path.join(directory, "tp2")
+    a = _ckpt_actor(dict(tensor_model_parallel_size=2, micro_batch_size=3), distributed=False)
+    a.train_step(_dp_part(a, batch), pg_loss)
+    out["saved"] = a.export_weights()
+    _save(a, first, 1)
+    for name, par, distributed in (("tp1_dp2", dict(micro_batch_size=3), False),
+                                   ("pp2", dict(pipeline_model_parallel_size=2, micro_batch_size=3), False),
+                                   ("dp2_dist", dict(micro_batch_size=3), True)):
+        actor = _ckpt_actor(par, distributed=distributed, seed=11)  # other initial weights: the load must replace them
+        _resume(actor, first, 1)
+        if name == "dp2_dist":
+            _save(actor, os.path.join(directory, "dp2_dist"), 1)  # before its step: the same state again
+        out[name] = _after_resume(actor, batch)
+    actor = _ckpt_actor(dict(tensor_model_parallel_size=2, micro_batch_size=3), distributed=False, seed=11)
+    _resume(actor, os.path.join(directory, "dp2_dist"), 1)
+    out["dist_to_tp2"] = _after_resume(actor, batch)
+    return out
