@@ -342,7 +342,7 @@ def _validate_rollout_engine(cfg: TrainConfig) -> None:
         fp8_on = cfg.fp8.recipe not in (None, "off") and r.fp8.scheme != "off"
         try:
             check_vllm_supported(fp8_scheme=r.fp8.scheme if fp8_on else "off",
-                                 tensor_parallel_size=r.tensor_parallel_size)
+                                 tensor_parallel_size=r.tensor_parallel_size, installed=False)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -79,15 +79,16 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def check_vllm_supported(*, fp8_scheme: Any = "off", tensor_parallel_size: int = 1) -> None:
+def check_vllm_supported(*, fp8_scheme: Any = "off", tensor_parallel_size: int = 1, installed: bool = True) -> None:
     """Raise ``ValueError`` (naming the config key and the fix) when the vllm engine cannot run this setup.
 
-    Checked before any work (config validation and the engine's constructor): vLLM installed; the rollout
-    FP8 scheme (``"off"`` only: FP8 rollout in vLLM is not wired yet, and on a CPU without AVX-512 vLLM
-    cannot run FP8 at all); ``rollout.tensor_parallel_size`` 1 (weights are streamed to an engine in this
-    process).
+    Checked before any work (config validation and the engine's constructor): vLLM installed (with
+    ``installed``; config validation skips it, as a launcher may validate on a machine without vLLM); the
+    rollout FP8 scheme (``"off"`` only: FP8 rollout in vLLM is not wired yet, and on a CPU without AVX-512
+    vLLM cannot run FP8 at all); ``rollout.tensor_parallel_size`` 1 (weights are streamed to an engine in
+    this process).
     """
-    if not vllm_available():
+    if installed and not vllm_available():
         raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
     name = fp8_scheme if isinstance(fp8_scheme, str) else type(fp8_scheme).__name__
     if name not in (None, "off"):
@@ -154,12 +155,19 @@ def _reprocess_tied_lm_head(worker: Any) -> None:
 
 @contextlib.contextmanager
 def _keep_torch_rng():
-    """vLLM seeds torch's global RNG (and may change the thread count); restore both afterwards."""
-    state, threads = torch.random.get_rng_state(), torch.get_num_threads()
+    """Undo what vLLM's in-process engine does to torch's process-wide state.
+
+    Building ``LLM`` seeds torch's global RNG, sets torch's thread count to 1 and replaces
+    ``torch.set_num_threads`` by a function that only logs a warning (vLLM's CPU worker expects to own
+    pinned threads; with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` nothing is pinned). The trainer's random
+    streams and thread count must not depend on the rollout engine: all three are restored.
+    """
+    state, threads, set_threads = torch.random.get_rng_state(), torch.get_num_threads(), torch.set_num_threads
     try:
         yield
     finally:
         torch.random.set_rng_state(state)
+        torch.set_num_threads = set_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 

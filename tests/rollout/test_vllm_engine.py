@@ -45,11 +45,24 @@ def weights():
 @pytest.fixture(scope="module")
 def engines(weights):
     """(vllm engine, torch engine) built once; tests leave the vllm engine with weights "a"."""
+    torch.manual_seed(1234)
+    rng, threads, set_threads = torch.random.get_rng_state(), torch.get_num_threads(), torch.set_num_threads
     # a tiny bucket: every sync streams the model in many buckets (a layer split across buckets)
     v = get_rollout_engine("vllm", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD, sync_bucket_mb=0.05)
     v.update_weights(weights["a"])
+    v.generate(RAGGED, SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0))
+    # vLLM reseeds torch's RNG, sets 1 thread and disables torch.set_num_threads: the engine undoes all three
+    _TORCH_STATE_KEPT.update(rng=torch.equal(rng, torch.random.get_rng_state()), threads=torch.get_num_threads() == threads,
+                             set_num_threads=torch.set_num_threads is set_threads)
     t = get_rollout_engine("torch", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD)
     return v, t
+
+
+_TORCH_STATE_KEPT: dict[str, bool] = {}
+
+
+def test_the_engine_leaves_torch_global_state_alone(engines):
+    assert _TORCH_STATE_KEPT == {"rng": True, "threads": True, "set_num_threads": True}
 
 
 def _torch_logp(t, weights, out, temperature):
