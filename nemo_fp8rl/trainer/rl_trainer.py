@@ -140,7 +140,7 @@ class RLTrainer:
         scheme = cfg.rollout.fp8.scheme if self.recipe is not None else "off"
         self.engine = get_rollout_engine(
             cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
-            eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None),
+            eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None), options=cfg.rollout,
         )
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -307,7 +307,8 @@ class RLTrainer:
 
         # 1-3: rollout, rewards, advantages
         with _timed(timings, "rollout"):
-            self.engine.update_weights(self.actor.export_weights())
+            with _timed(timings, "weight_sync"):  # part of timing/rollout
+                self.engine.update_weights(self.actor.export_weights())
             batch, scores, rewards, adv, ds_metrics = self._rollout()
         tokens, mask = batch.tokens, batch.mask.float()
         B = tokens.shape[0]
