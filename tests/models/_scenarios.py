@@ -145,10 +145,10 @@ def all_layouts() -> dict:
 RESHARD_CFG = CFG_A  # untied, GQA, QKV bias; vocabulary padded to 24 rows at TP=1 and 32 at TP=2
 
 
-def _ckpt_actor(parallel_kw: dict, distributed: bool, seed: int = 0):
+def _ckpt_actor(parallel_kw: dict, distributed: bool, seed: int = 0, cfg: dict = RESHARD_CFG):
     from nemo_fp8rl.models import build_actor
 
-    return build_actor(ModelConfig(**RESHARD_CFG), ParallelConfig(**parallel_kw), seed=seed, lr=1e-3,
+    return build_actor(ModelConfig(**cfg), ParallelConfig(**parallel_kw), seed=seed, lr=1e-3,
                        weight_decay=0.01, grad_clip=1.0, device="cpu", distributed_optimizer=distributed,
                        keep_reference=True)
 
@@ -182,10 +182,10 @@ def _after_resume(actor, batch) -> dict:
     return out
 
 
-def reshard_uninterrupted() -> dict:
+def reshard_uninterrupted(cfg: dict = RESHARD_CFG) -> dict:
     """One process, TP=PP=DP=1: two steps with a checkpoint-free trajectory (the reference)."""
-    actor = _ckpt_actor(dict(micro_batch_size=6), distributed=False)
-    batch = make_batch(RESHARD_CFG["vocab_size"])
+    actor = _ckpt_actor(dict(micro_batch_size=6), distributed=False, cfg=cfg)
+    batch = make_batch(cfg["vocab_size"])
     actor.train_step(batch, pg_loss)
     out = {"at_ckpt": actor.export_weights(), "ref_lp": actor.get_reference_logprobs(batch["tokens"])[0]}
     out["metrics"] = metrics_to_floats(actor.train_step(batch, pg_loss))
@@ -216,4 +216,13 @@ def reshard_checkpoints(directory: str) -> dict:
     actor = _ckpt_actor(dict(tensor_model_parallel_size=2, micro_batch_size=3), distributed=False, seed=11)
     _resume(actor, os.path.join(directory, "dp2_dist"), 1)
     out["dist_to_tp2"] = _after_resume(actor, batch)
+    # Tied embeddings + QK norms: saved at PP=2 (the head copy on the last stage), resumed at TP=2.
+    tied = os.path.join(directory, "tied_pp2")
+    b = _ckpt_actor(dict(pipeline_model_parallel_size=2, micro_batch_size=3), distributed=False, cfg=CFG_B)
+    b.train_step(_dp_part(b, batch_b := make_batch(CFG_B["vocab_size"])), pg_loss)
+    out["tied_saved"] = b.export_weights()
+    _save(b, tied, 1)
+    b = _ckpt_actor(dict(tensor_model_parallel_size=2, micro_batch_size=3), distributed=False, seed=11, cfg=CFG_B)
+    _resume(b, tied, 1)
+    out["tied_pp2_to_tp2"] = _after_resume(b, batch_b)
     return out

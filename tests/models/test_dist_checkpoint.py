@@ -1,7 +1,8 @@
 """Layout-free checkpoints through megatron dist_checkpointing (format 2), for real on CPU/gloo.
 
 - 2 processes (one launch): one step at TP=2 with AdamW, saved; resumed at TP=1 x DP=2, at PP=2 and at
-  DP=2 with the distributed optimizer (which saves again); TP=2 with AdamW resumes that one. Every
+  DP=2 with the distributed optimizer (which saves again); TP=2 with AdamW resumes that one; a
+  tied-embedding QK-norm model saved at PP=2 (head copy on the last stage) resumes at TP=2. Every
   resumed actor holds exactly the saved weights, the reference policy of the saving run, and its
   next update equals the uninterrupted one-process run's update to float32 tolerance (Adam moments
   and step resharded);
@@ -25,6 +26,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)  # as every rank of run_ranks
     try:
         ref = S.reshard_uninterrupted()
+        ref["tied"] = S.reshard_uninterrupted(S.CFG_B)
     finally:
         torch.set_num_threads(threads)
     destroy_distributed()
@@ -53,6 +55,22 @@ def test_resume_at_another_layout_continues_the_trajectory(runs, name):
             assert diff < 0.005 * scale, (name, k, diff, scale)  # measured: 0.1% (float noise)
         for k, v in ref["metrics"].items():
             assert out["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-5), (name, k)
+
+
+def test_tied_embeddings_saved_at_pp2_resume_at_tp2(runs):
+    """The head copy of a tied embedding lives on the last stage at PP=2 and nowhere at TP=2."""
+    ref, ranks = runs
+    ref = ref["tied"]
+    scale = max(float((ref["final"][k] - ref["at_ckpt"][k]).abs().max()) for k in ref["final"])
+    for res in ranks:
+        out, saved = res["tied_pp2_to_tp2"], res["tied_saved"]
+        assert all(torch.equal(out["loaded"][k], saved[k]) for k in saved)
+        assert out["layout"] == (2, 1, 1, False)
+        for k in ref["final"]:  # the uninterrupted update, from the restored moments
+            diff = float((out["final"][k] - out["loaded"][k] - (ref["final"][k] - ref["at_ckpt"][k])).abs().max())
+            assert diff < 0.005 * scale, (k, diff, scale)
+        for k, v in ref["metrics"].items():
+            assert out["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
 
 
 def test_layouts_are_the_ones_claimed(runs):
