@@ -238,3 +238,4 @@ def test_trainer_runs_with_vllm_and_resumes_exactly(tmp_path):
         # FP8 off: vLLM's log-probs of its own samples are the trainer's (float32 both) up to float noise
         assert r["mismatch/logp_abs_diff_max"] < TOL, r["mismatch/logp_abs_diff_max"]
         assert r["rollout/response_len"] > 0
+        assert 0 < r["timing/weight_sync"] < r["timing/rollout"]
