@@ -184,26 +184,24 @@ def _merge_fp8(entries: list[dict]) -> dict:
     return out
 
 
-def _fp8_for_this_rank(model, mine: dict, key: str, rank_states: list[dict], same_layout: bool,
-                       my_saved: Optional[dict]) -> Optional[dict]:
-    """The stage-local FP8 states for this rank from the saved ranks' global-keyed ones."""
+def _fp8_for_this_rank(model, key: str, rank_states: list[dict], my_saved: Optional[dict]) -> Optional[dict]:
+    """This rank's stage-local FP8 states (``key``: ``fp8`` or ``reference_fp8``) from the saved ranks'
+    global-keyed ones: the saved rank at this rank's coordinates when the layout is unchanged
+    (``my_saved``), else every saved shard of each linear merged (:func:`_merge_fp8`). None when the
+    checkpoint has none (FP8 off, or no delayed scaling)."""
     names = _global_fp8_names(model)
-    if same_layout and my_saved is not None:
-        saved = my_saved[key]
-        if saved is None:
-            return None
-        return {n: saved[g] for n, g in names.items() if g in saved} if set(names.values()) <= set(saved) else \
-            _raise_fp8(names, saved)
-    pooled: dict[str, list] = {}
-    for st in rank_states:
-        for g, v in (st.get(key) or {}).items():
-            pooled.setdefault(g, []).append(v)
+    if my_saved is not None:
+        pooled = {g: [v] for g, v in (my_saved.get(key) or {}).items()}
+    else:
+        pooled = {}
+        for st in rank_states:
+            for g, v in (st.get(key) or {}).items():
+                pooled.setdefault(g, []).append(v)
     if not pooled:
         return None
-    missing = [g for g in names.values() if g not in pooled]
-    if missing:
+    if any(g not in pooled for g in names.values()):
         _raise_fp8(names, pooled)
-    return {n: _merge_fp8(pooled[g]) for n, g in names.items()}
+    return {n: pooled[g][0] if len(pooled[g]) == 1 else _merge_fp8(pooled[g]) for n, g in names.items()}
 
 
 def _raise_fp8(names, saved):
@@ -307,10 +305,10 @@ def load_checkpoint(actor, rank_states: list[dict], load_sharded: Callable[[dict
         reload_main_params(actor.optimizer, actor.device)
     actor._reference = ({n: loaded["reference"][n].detach().to("cpu", copy=True) for n, _ in params}
                         if saved0.get("has_reference") else None)
-    fp8 = _fp8_for_this_rank(actor.model, mine, "fp8", rank_states, same_layout, my_saved)
+    fp8 = _fp8_for_this_rank(actor.model, "fp8", rank_states, my_saved)
     if fp8 is not None:
         load_fp8_states(actor.model, fp8)
-    actor._reference_fp8 = _fp8_for_this_rank(actor.model, mine, "reference_fp8", rank_states, same_layout, my_saved)
+    actor._reference_fp8 = _fp8_for_this_rank(actor.model, "reference_fp8", rank_states, my_saved)
 
 
 def _load_adam(actor, params, loaded: dict, step: int) -> None:

@@ -225,4 +225,22 @@ def reshard_checkpoints(directory: str) -> dict:
     b = _ckpt_actor(dict(tensor_model_parallel_size=2, micro_batch_size=3), distributed=False, seed=11, cfg=CFG_B)
     _resume(b, tied, 1)
     out["tied_pp2_to_tp2"] = _after_resume(b, batch_b)
+    # Delayed-scaling FP8 state: saved per TP shard at TP=2, merged when resumed at TP=1 x DP=2.
+    from nemo_fp8rl.fp8 import get_recipe
+    from nemo_fp8rl.fp8.megatron import fp8_states
+    from nemo_fp8rl.models import build_actor
+    from nemo_fp8rl.models.checkpointing import _to_global
+
+    fp8_dir = os.path.join(directory, "fp8_tp2")
+    for tp, seed in ((2, 0), (1, 11)):
+        c = build_actor(ModelConfig(**RESHARD_CFG), ParallelConfig(tensor_model_parallel_size=tp, micro_batch_size=3),
+                        seed=seed, lr=1e-3, fp8_recipe=get_recipe("delayed", amax_history_len=4), device="cpu",
+                        distributed_optimizer=False)
+        if tp == 2:
+            c.train_step(_dp_part(c, batch), pg_loss)
+            out["fp8_saved"] = _to_global(c.model, fp8_states(c.model))
+            _save(c, fp8_dir, 1)
+        else:
+            _resume(c, fp8_dir, 1)
+            out["fp8_loaded"] = _to_global(c.model, fp8_states(c.model))
     return out

@@ -73,6 +73,25 @@ def test_tied_embeddings_saved_at_pp2_resume_at_tp2(runs):
             assert out["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
 
 
+def test_fp8_delayed_state_is_merged_over_tp_shards(runs):
+    """TP=2 -> TP=1: each linear's amax history is the element-wise max of its two shards' histories
+    (the amax of a tensor is the max of its shards' amaxes), its scale the min of theirs."""
+    _, ranks = runs
+    saved = [res["fp8_saved"] for res in ranks]  # the two TP shards
+    assert saved[0].keys() == saved[1].keys() and saved[0]
+    differ = [not torch.equal(saved[0][g][r]["amax_history"], saved[1][g][r]["amax_history"])
+              for g in saved[0] for r in saved[0][g]]
+    assert any(differ) and not all(differ)  # sharded operands saw other amaxes, replicated ones the same
+    for res in ranks:
+        loaded = res["fp8_loaded"]
+        assert loaded.keys() == saved[0].keys()
+        for g, roles in loaded.items():
+            for r, st in roles.items():
+                hist = torch.maximum(saved[0][g][r]["amax_history"], saved[1][g][r]["amax_history"])
+                assert torch.equal(st["amax_history"], hist), (g, r)
+                assert torch.equal(st["scale"], torch.minimum(saved[0][g][r]["scale"], saved[1][g][r]["scale"]))
+
+
 def test_layouts_are_the_ones_claimed(runs):
     _, ranks = runs
     want = {"tp1_dp2": (1, 1, 2, False), "pp2": (1, 2, 1, False), "dp2_dist": (1, 1, 2, True),
