@@ -18,7 +18,8 @@ from nemo_fp8rl.rollout.vllm_engine import _bucket_names, check_vllm_supported, 
 
 from .conftest import random_hf_weights
 
-pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install nemo-fp8rl[vllm])")
+NO_VLLM = "vLLM is not installed (pip install nemo-fp8rl[vllm]; make install does it)"
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason=NO_VLLM)
 
 EOS, PAD = 2, 0
 TOL = 1e-4  # float32, FP8 off: summation-order noise is ~1e-6
@@ -45,6 +46,8 @@ def weights():
 @pytest.fixture(scope="module")
 def engines(weights):
     """(vllm engine, torch engine) built once; tests leave the vllm engine with weights "a"."""
+    if not vllm_available():
+        pytest.skip(NO_VLLM)
     torch.manual_seed(1234)
     rng, threads, set_threads = torch.random.get_rng_state(), torch.get_num_threads(), torch.set_num_threads
     # a tiny bucket: every sync streams the model in many buckets (a layer split across buckets)
@@ -182,6 +185,21 @@ def test_sync_buckets_are_bounded():
     assert all(sum(sizes[n] for n in bk) <= 40 or len(bk) == 1 for bk in buckets)
 
 
+def test_missing_vllm_names_the_key_and_the_install(monkeypatch):
+    import sys
+
+    from nemo_fp8rl.config.schema import TrainConfig, validate
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like to import
+    assert not vllm_available()
+    with pytest.raises(ValueError, match=r"rollout.engine=vllm.*pip install nemo-fp8rl\[vllm\].*rollout.engine=torch"):
+        get_rollout_engine("vllm", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD)
+    cfg = TrainConfig()
+    cfg.rollout.engine = "vllm"
+    validate(cfg)  # validation does not need vLLM (a launcher may validate on a machine without it)
+
+
+@needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 @pytest.mark.parametrize("scheme", ["vllm_w8a8", "vllm_block", "same_as_train"])
 def test_fp8_rollout_on_cpu_stops_with_the_alternative(scheme):
@@ -223,6 +241,7 @@ def _cli():
     return mod
 
 
+@needs_vllm
 def test_trainer_runs_with_vllm_and_resumes_exactly(tmp_path):
     """3 RL steps with rollout.engine=vllm (FP8 off) == 2 steps + resume to 3; vLLM agrees with the trainer."""
     cli = _cli()
