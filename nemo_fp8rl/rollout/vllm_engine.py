@@ -67,6 +67,7 @@ _VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: weights pass by reference
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU (the CPU backend's default is larger)
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # do not pin OpenMP threads (the trainer shares the cores)
+    "VLLM_LOGGING_LEVEL": "WARNING",  # vLLM logs to stdout; keep its INFO lines out of the trainer's output
 }
 
 
@@ -206,6 +207,15 @@ class VllmEngine:
         max_num_seqs: int = 256,
     ) -> None:
         check_vllm_supported(fp8_scheme=fp8_scheme, tensor_parallel_size=tensor_parallel_size)
+        # before the first `import vllm` of the process (its logger reads the level at import)
+        for k, v in _VLLM_ENV.items():
+            os.environ.setdefault(k, v)
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise ValueError(
+                "VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+                f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}: the vllm rollout engine streams weights to an "
+                "engine in this process; unset it or set it to 0"
+            )
         if not sync_bucket_mb > 0:
             raise ValueError(f"rollout.sync_bucket_mb={sync_bucket_mb!r} must be > 0")
         if model_cfg.vocab_size is None:
@@ -232,14 +242,6 @@ class VllmEngine:
         self.last_sync_seconds = float("nan")
         """Wall-clock seconds of the last :meth:`update_weights`."""
 
-        for k, v in _VLLM_ENV.items():
-            os.environ.setdefault(k, v)
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise ValueError(
-                "VLLM_ENABLE_V1_MULTIPROCESSING is set to "
-                f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}: the vllm rollout engine streams weights to an "
-                "engine in this process; unset it or set it to 0"
-            )
         from nemo_fp8rl.models.hf import model_config_to_hf_config
 
         self._dir = tempfile.TemporaryDirectory(prefix="nemo_fp8rl_vllm_")
