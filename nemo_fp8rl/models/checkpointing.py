@@ -283,8 +283,7 @@ def load_checkpoint(actor, rank_states: list[dict], load_sharded: Callable[[dict
     by_param = _param_to_sharded(model_sd)
     moments = {}
     if step is not None:
-        keys = MOMENTS + (("main_param",) if saved0.get("main_params") and any(
-            p.dtype != torch.float32 for _, p in params) else ())
+        keys = MOMENTS + (("main_param",) if saved0.get("main_params") else ())
         opt_t = {}
         for name, p in params:
             for k in keys:
@@ -297,6 +296,13 @@ def load_checkpoint(actor, rank_states: list[dict], load_sharded: Callable[[dict
     loaded = load_sharded(template)
 
     actor.model.load_state_dict(loaded["model"])
+    if step is not None and saved0.get("main_params"):
+        # Saved by BF16 parameters with float32 main parameters: float32 parameters here take the main
+        # parameters (not their BF16 rounding).
+        with torch.no_grad():
+            for name, p in params:
+                if p.dtype == torch.float32:
+                    p.copy_(loaded["optimizer"][f"main_param.{name}"])
     if step is not None:
         _load_adam(actor, params, {(n, k): loaded["optimizer"][f"{k}.{n}"] for (n, k) in moments}, step)
     elif actor.ddp is not None:
