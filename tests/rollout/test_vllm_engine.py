@@ -258,3 +258,22 @@ def test_trainer_runs_with_vllm_and_resumes_exactly(tmp_path):
         assert r["mismatch/logp_abs_diff_max"] < TOL, r["mismatch/logp_abs_diff_max"]
         assert r["rollout/response_len"] > 0
         assert 0 < r["timing/weight_sync"] < r["timing/rollout"]
+
+
+@needs_vllm
+def test_two_data_parallel_ranks_each_own_an_engine(tmp_path):
+    """torchrun with 2 gloo ranks: each rank builds its vLLM engine in its own process for its own prompts."""
+    import subprocess
+    import sys
+
+    cli = _cli()
+    out = tmp_path / "dp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "nemo_fp8rl.train",
+           *cli.TINY, f"output_dir={out}", f"warmup.cache_dir={tmp_path / '.warmup_cache'}", "fp8=off",
+           "rollout.engine=vllm", "trainer.max_steps=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    recs = cli.metrics(out)
+    assert [r["step"] for r in recs] == [0, 1]
+    for r in recs:
+        assert r["mismatch/logp_abs_diff_max"] < TOL, r["mismatch/logp_abs_diff_max"]
