@@ -627,15 +627,20 @@ def build_actor(
             f"model.hf_path={model_cfg.hf_path!r}: build_actor does not read checkpoints; build with "
             "model.hf_path=null and pass the Hugging Face state dict to actor.load_weights()"
         )
-    if model_cfg.params_dtype != "float32":
-        raise ValueError(
-            f"model.params_dtype={model_cfg.params_dtype}: the actor keeps float32 master weights (BF16 compute "
-            "on GPU comes from autocast, FP8 from the recipe); set model.params_dtype=float32"
-        )
     if lr <= 0:
         raise ValueError(f"lr={lr} must be > 0")
     device = resolve_device(device)
     distributed_optimizer = _optim.resolve_distributed(distributed_optimizer, device)
+    # BF16 parameters exist only where the optimizer keeps float32 main parameters: megatron's distributed
+    # optimizer on GPU (below, whatever params_dtype says). The 8B/32B launcher stages ask for bfloat16.
+    bf16_params = distributed_optimizer and device.type == "cuda"
+    if model_cfg.params_dtype not in (("float32", "bfloat16") if bf16_params else ("float32",)):
+        raise ValueError(
+            f"model.params_dtype={model_cfg.params_dtype}: the actor keeps float32 master weights; BF16 "
+            "parameters (with float32 main parameters in the optimizer) need a GPU and optim.distributed=true "
+            f"(here: device {device.type}, optim.distributed={distributed_optimizer}); otherwise set "
+            "model.params_dtype=float32 (BF16 compute on GPU comes from autocast, FP8 from the recipe)"
+        )
     init_distributed(parallel_cfg, model_cfg, device=device)
     use_te = resolve_use_te(use_te, device)
     if device.type == "cuda":
