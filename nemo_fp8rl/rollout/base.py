@@ -29,7 +29,7 @@ so ``rollout_logp`` lines up with the trainer's teacher-forced log-probs of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,6 +39,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutEngine",
     "SamplingParams",
+    "check_generate_inputs",
     "get_rollout_engine",
     "register_rollout_engine",
     "rollout_engine_names",
@@ -164,6 +165,31 @@ _ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 
 
 _OPTIONS: dict[str, tuple[str, ...]] = {}
+
+
+def check_generate_inputs(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, generator: object, seq_length: int
+) -> tuple[int, int, int, list[int]]:
+    """The checks every engine's ``generate`` runs before sampling; returns (B, P, N, prompt lengths).
+
+    B prompts (each non-empty), P = the longest prompt, N = ``params.max_new_tokens``; P + N must fit in
+    ``seq_length`` (``model.seq_length``), and ``generator`` must be a ``torch.Generator``.
+    """
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generate() needs a torch.Generator for reproducible sampling, got {type(generator).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("generate() got no prompts")
+    lens_list = [len(p) for p in prompts]
+    if min(lens_list) == 0:
+        raise ValueError(f"prompt {lens_list.index(0)} is empty; every prompt needs at least one token (BOS)")
+    B, P, N = len(prompts), max(lens_list), params.max_new_tokens
+    if P + N > seq_length:
+        raise ValueError(
+            f"longest prompt ({P} tokens) + rollout.max_new_tokens ({N}) = {P + N} exceeds model.seq_length "
+            f"= {seq_length}; lower rollout.max_new_tokens or the task's max_prompt_len, or raise "
+            "model.seq_length"
+        )
+    return B, P, N, lens_list
 
 
 def register_rollout_engine(

@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from nemo_fp8rl.rollout.base import RolloutBatch, SamplingParams, register_rollout_engine
+from nemo_fp8rl.rollout.base import (
+    RolloutBatch,
+    SamplingParams,
+    check_generate_inputs,
+    register_rollout_engine,
+)
 from nemo_fp8rl.rollout.model import (
     KVCache,
     ModelShape,
@@ -167,20 +172,7 @@ class TorchRolloutEngine:
         randomness (same weights, prompts, params and generator state -> identical batch).
         """
         w = self._w()
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generate() needs a torch.Generator for reproducible sampling, got {type(generator).__name__}")
-        if len(prompts) == 0:
-            raise ValueError("generate() got no prompts")
-        lens_list = [len(p) for p in prompts]
-        if min(lens_list) == 0:
-            raise ValueError(f"prompt {lens_list.index(0)} is empty; every prompt needs at least one token (BOS)")
-        B, P, N = len(prompts), max(lens_list), params.max_new_tokens
-        if P + N > self.shape.seq_length:
-            raise ValueError(
-                f"longest prompt ({P} tokens) + rollout.max_new_tokens ({N}) = {P + N} exceeds model.seq_length "
-                f"= {self.shape.seq_length}; lower rollout.max_new_tokens or the task's max_prompt_len, or raise "
-                "model.seq_length"
-            )
+        B, P, N, lens_list = check_generate_inputs(prompts, params, generator, self.shape.seq_length)
         lens = torch.tensor(lens_list, dtype=torch.long)
         tokens = torch.full((B, P + N), self.pad_id, dtype=torch.long)
         for b, p in enumerate(prompts):

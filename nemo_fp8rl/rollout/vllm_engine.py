@@ -50,7 +50,12 @@ from typing import Any
 
 import torch
 
-from nemo_fp8rl.rollout.base import RolloutBatch, SamplingParams, register_rollout_engine
+from nemo_fp8rl.rollout.base import (
+    RolloutBatch,
+    SamplingParams,
+    check_generate_inputs,
+    register_rollout_engine,
+)
 from nemo_fp8rl.rollout.model import ModelShape, check_hf_state_dict
 
 __all__ = ["VllmEngine", "check_vllm_supported", "iter_weight_buckets", "vllm_available"]
@@ -313,20 +318,7 @@ class VllmEngine:
 
         if self.weights_version == 0:
             raise RuntimeError("the rollout engine has no weights yet: call update_weights(actor.export_weights()) first")
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generate() needs a torch.Generator for reproducible sampling, got {type(generator).__name__}")
-        if len(prompts) == 0:
-            raise ValueError("generate() got no prompts")
-        lens_list = [len(p) for p in prompts]
-        if min(lens_list) == 0:
-            raise ValueError(f"prompt {lens_list.index(0)} is empty; every prompt needs at least one token (BOS)")
-        B, P, N = len(prompts), max(lens_list), params.max_new_tokens
-        if P + N > self.shape.seq_length:
-            raise ValueError(
-                f"longest prompt ({P} tokens) + rollout.max_new_tokens ({N}) = {P + N} exceeds model.seq_length "
-                f"= {self.shape.seq_length}; lower rollout.max_new_tokens or the task's max_prompt_len, or raise "
-                "model.seq_length"
-            )
+        B, P, N, lens_list = check_generate_inputs(prompts, params, generator, self.shape.seq_length)
         V = self.model_cfg.vocab_size
         flat = [int(i) for p in prompts for i in p]
         if min(flat) < 0 or max(flat) >= V:
