@@ -79,7 +79,7 @@ def _clip_config(config: Any) -> tuple[float, float, float]:
     eps = config.clip_ratio
     eps_low = config.clip_ratio_low if config.clip_ratio_low is not None else eps
     eps_high = config.clip_ratio_high if config.clip_ratio_high is not None else eps
-    c = config.get("clip_ratio_c", 3.0)
+    c = config.clip_ratio_c  # verl's ActorConfig field (its default 3.0 lives there)
     if not c > 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (the dual clip, usually 3), got {c}")
     return float(eps_low), float(eps_high), float(c)

@@ -107,6 +107,23 @@ class RolloutBatch:
     rollout_logp: torch.Tensor
     finished: torch.Tensor
 
+    @classmethod
+    def from_padded(
+        cls, tokens: torch.Tensor, prompt_lens: torch.Tensor, response_lens: torch.Tensor, logp: torch.Tensor,
+        finished: torch.Tensor,
+    ) -> "RolloutBatch":
+        """A batch from an engine's right-padded buffers, cut to T = max(prompt_len + response_len).
+
+        ``tokens``, ``logp``: [B, >= T] (prompt then response per row, pad after); ``prompt_lens``,
+        ``response_lens``: [B] long; ``finished``: [B] bool. mask[b, t] = 1 for P_b <= t < P_b + R_b;
+        ``rollout_logp`` = logp * mask.
+        """
+        T = int((prompt_lens + response_lens).max())
+        pos = torch.arange(T).unsqueeze(0)
+        mask = ((pos >= prompt_lens.unsqueeze(1)) & (pos < (prompt_lens + response_lens).unsqueeze(1))).float()
+        return cls(tokens=tokens[:, :T].contiguous(), prompt_lens=prompt_lens, response_lens=response_lens,
+                   mask=mask, rollout_logp=logp[:, :T] * mask, finished=finished)
+
     @property
     def batch_size(self) -> int:
         return int(self.tokens.shape[0])

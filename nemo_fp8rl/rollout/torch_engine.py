@@ -209,17 +209,7 @@ class TorchRolloutEngine:
             # A row stopped on EOS iff its last response token is one (with stop_on_eos, nothing follows one).
             finished = torch.isin(tokens[torch.arange(B), lens + resp - 1], self._eos)
 
-        T = int((lens + resp).max())
-        pos = torch.arange(T).unsqueeze(0)
-        mask = ((pos >= lens.unsqueeze(1)) & (pos < (lens + resp).unsqueeze(1))).float()
-        return RolloutBatch(
-            tokens=tokens[:, :T].contiguous(),
-            prompt_lens=lens,
-            response_lens=resp,
-            mask=mask,
-            rollout_logp=logp[:, :T] * mask,
-            finished=finished,
-        )
+        return RolloutBatch.from_padded(tokens, lens, resp, logp, finished)
 
 
 @register_rollout_engine("torch")

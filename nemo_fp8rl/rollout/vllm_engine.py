@@ -354,17 +354,7 @@ class VllmEngine:
                                                      dtype=torch.float32)
             resp[b] = len(ids)
             finished[b] = params.stop_on_eos and ids[-1] in eos
-        T = int((lens + resp).max())
-        pos = torch.arange(T).unsqueeze(0)
-        mask = ((pos >= lens.unsqueeze(1)) & (pos < (lens + resp).unsqueeze(1))).float()
-        return RolloutBatch(
-            tokens=tokens[:, :T].contiguous(),
-            prompt_lens=lens,
-            response_lens=resp,
-            mask=mask,
-            rollout_logp=logp[:, :T] * mask,
-            finished=finished,
-        )
+        return RolloutBatch.from_padded(tokens, lens, resp, logp, finished)
 
 
 @register_rollout_engine("vllm", options=("sync_bucket_mb", "tensor_parallel_size", "gpu_memory_utilization"))
