@@ -215,7 +215,7 @@ class RLTrainer:
             try:
                 self.check_run_dir()
                 answer[0] = self.ckpt.latest_step() if self.cfg.resume else None
-            except (ValueError, OSError) as e:
+            except Exception as e:  # noqa: BLE001  (any error reaches every rank: none waits in the broadcast)
                 answer[1] = e
         if dist.is_initialized() and dist.get_world_size() > 1:
             from nemo_fp8rl.models.parallel import comm_device
