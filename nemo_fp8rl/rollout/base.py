@@ -29,7 +29,7 @@ so ``rollout_logp`` lines up with the trainer's teacher-forced log-probs of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -163,15 +163,17 @@ class RolloutBatch:
 class RolloutEngine(Protocol):
     """What the trainer calls on a rollout engine.
 
-    - ``update_weights(hf_state_dict)``: replace the engine's weights (Hugging Face Llama/Qwen names,
-      float tensors, any order); the engine re-quantizes them for its FP8 scheme. Returns nothing the
+    - ``update_weights(weights)``: replace the engine's weights (Hugging Face Llama/Qwen names, float
+      tensors, any order), given as a full state dict or as a stream of ``(name, tensor)`` pairs (the
+      trainer passes ``actor.iter_weights()``, which holds one tensor at a time: an engine must not
+      collect the stream into a second full copy); the engine re-quantizes them for its FP8 scheme. Returns nothing the
       trainer must use (engines may return a summary of the sync).
     - ``generate(prompts, params, generator)``: sample one response per prompt (prompt = list of token
       ids, lengths may differ) and return a :class:`RolloutBatch`. Same weights, prompts, params and
       generator state -> same result.
     """
 
-    def update_weights(self, hf_state_dict: Mapping[str, torch.Tensor]) -> Any: ...
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> Any: ...
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator

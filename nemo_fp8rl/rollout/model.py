@@ -36,7 +36,7 @@ scores/softmax and the LM head stay in high precision (DESIGN section 5).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,9 +48,11 @@ __all__ = [
     "LayerWeights",
     "ModelShape",
     "RolloutWeights",
+    "WeightsArg",
     "apply_rope",
     "build_weights",
     "check_hf_state_dict",
+    "checked_weight_stream",
     "expected_hf_shapes",
     "forward_decode",
     "forward_full",
@@ -59,6 +61,10 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
 ]
+
+WeightsArg = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""What a weight sync receives: a full HF-named state dict, or a stream of ``(name, tensor)`` pairs (e.g.
+:meth:`nemo_fp8rl.models.FP8Actor.iter_weights`, which holds one tensor at a time)."""
 
 
 @dataclass(frozen=True)
@@ -197,16 +203,78 @@ def check_hf_state_dict(shape: ModelShape, sd: Mapping[str, torch.Tensor]) -> in
         exp = want.get(k, optional.get(k))
         if exp is None:
             continue
-        if not isinstance(v, torch.Tensor) or not torch.is_floating_point(v):
-            problems.append(f"{k}: expected a floating-point tensor, got {type(v).__name__}"
-                            + (f" of dtype {v.dtype}" if isinstance(v, torch.Tensor) else ""))
-        elif tuple(v.shape) != exp:
-            problems.append(f"{k}: shape {tuple(v.shape)}, expected {exp}")
-        elif not bool(torch.isfinite(v).all()):
-            problems.append(f"{k}: contains NaN or Inf")
+        problem = _check_tensor(k, v, exp)
+        if problem:
+            problems.append(problem)
     if problems:
         raise ValueError("weight sync rejected:\n  " + "\n  ".join(problems))
     return rows
+
+
+def _check_tensor(name: str, v: Any, exp: tuple[int, ...]) -> str | None:
+    """The problem with one synced tensor (not a floating tensor, wrong shape, non-finite), or None."""
+    if not isinstance(v, torch.Tensor) or not torch.is_floating_point(v):
+        return (f"{name}: expected a floating-point tensor, got {type(v).__name__}"
+                + (f" of dtype {v.dtype}" if isinstance(v, torch.Tensor) else ""))
+    if tuple(v.shape) != exp:
+        return f"{name}: shape {tuple(v.shape)}, expected {exp}"
+    if not bool(torch.isfinite(v).all()):
+        return f"{name}: contains NaN or Inf"
+    return None
+
+
+def checked_weight_stream(shape: ModelShape, weights: WeightsArg) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the ``(name, tensor)`` pairs of a weight sync, each checked before it is passed on.
+
+    ``weights`` is a full state dict (checked at once by :func:`check_hf_state_dict`, so one error lists
+    every problem) or a stream of pairs in any order (each pair is checked as it arrives: a known HF name
+    not seen before, a floating tensor of the expected shape, finite; after the last pair, every expected
+    name must have come). A stream is never collected: the consumer holds what it keeps, nothing more.
+    The vocabulary rows V are taken from the first of ``model.embed_tokens.weight`` / ``lm_head.weight``
+    to arrive (V >= ``shape.vocab_size``); the other must match. ``lm_head.weight`` is optional when the
+    embeddings are tied. Raises ``ValueError`` ("weight sync rejected: ...") at the first bad pair: the
+    consumer has then seen only part of the new weights and must not be used until a complete sync.
+    """
+    if isinstance(weights, Mapping):
+        check_hf_state_dict(shape, weights)
+        yield from weights.items()
+        return
+    seen: set[str] = set()
+    want: dict[str, tuple[int, ...]] | None = None
+    vocab_keys = ("model.embed_tokens.weight", "lm_head.weight")
+    for item in weights:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"weight sync rejected: a stream must yield (name, tensor) pairs, got {type(item).__name__}")
+        name, v = item
+        if want is None and name in vocab_keys:
+            if not isinstance(v, torch.Tensor) or v.dim() != 2:
+                raise ValueError(f"weight sync rejected: {name} is not a 2-D tensor")
+            rows = int(v.shape[0])
+            if shape.vocab_size is not None and rows < shape.vocab_size:
+                raise ValueError(f"weight sync rejected: {name} has {rows} rows < model.vocab_size={shape.vocab_size}")
+            want = expected_hf_shapes(shape, rows)
+            want.setdefault("lm_head.weight", (rows, shape.hidden_size))
+        if name in seen:
+            raise ValueError(f"weight sync rejected: {name} arrived twice in one sync")
+        # before the first vocabulary tensor, V is unknown; no other shape depends on it
+        names = want if want is not None else expected_hf_shapes(shape, 1)
+        if name not in names:
+            raise ValueError(
+                f"weight sync rejected: unexpected key {name} (check model.qk_layernorm, model.add_qkv_bias, "
+                "model.add_bias_linear, model.untie_embeddings_and_output_weights, model.num_layers)"
+            )
+        problem = _check_tensor(name, v, names[name])
+        if problem:
+            raise ValueError("weight sync rejected: " + problem)
+        seen.add(name)
+        yield name, v
+    required = set(want if want is not None else expected_hf_shapes(shape, 1))
+    if shape.tied_embeddings:
+        required.discard("lm_head.weight")
+    missing = sorted(required - seen)
+    if missing:
+        raise ValueError(f"weight sync rejected: the stream ended without {len(missing)} keys: {missing[:8]}"
+                         + (" ..." if len(missing) > 8 else ""))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -315,55 +383,77 @@ def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, d
     return wq
 
 
-def build_weights(
-    shape: ModelShape, sd: Mapping[str, torch.Tensor], scheme: Any, device: torch.device, dtype: torch.dtype
-) -> RolloutWeights:
-    """Validate ``sd`` (HF names), fuse q/k/v and gate/up, quantize the linear weights with ``scheme``.
-
-    ``scheme.quantize_weight`` runs once per fused linear weight per call (= per weight sync), on the
-    float32 weight; the dequantized result is stored in ``dtype`` on ``device``.
-    """
-    check_hf_state_dict(shape, sd)
+def _build_layer(
+    shape: ModelShape, i: int, sd: Mapping[str, torch.Tensor], scheme: Any, device: torch.device, dtype: torch.dtype,
+    stats: dict[str, dict[str, float]],
+) -> LayerWeights:
+    """Layer ``i`` from its HF tensors (checked): fuse q/k/v and gate/up, quantize the four linears."""
+    p = f"model.layers.{i}."
+    a, m = p + "self_attn.", p + "mlp."
 
     def t(key: str) -> torch.Tensor:
         return sd[key].detach().to(device=device, dtype=torch.float32)
 
-    def hp(key: str) -> torch.Tensor:  # high-precision tensors (norms, biases, embeddings)
+    def hp(key: str) -> torch.Tensor:  # high-precision tensors (norms, biases)
         return sd[key].detach().to(device=device, dtype=dtype)
 
-    stats: dict[str, dict[str, float]] = {}
-    layers = []
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        w_qkv = torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")], dim=0)
-        w_gu = torch.cat([t(m + "gate_proj.weight"), t(m + "up_proj.weight")], dim=0)
-        layers.append(
-            LayerWeights(
-                input_norm=hp(p + "input_layernorm.weight"),
-                post_norm=hp(p + "post_attention_layernorm.weight"),
-                w_qkv=_quantize_linear(scheme, a + "qkv_proj", w_qkv, stats).to(dtype),
-                b_qkv=torch.cat([hp(a + "q_proj.bias"), hp(a + "k_proj.bias"), hp(a + "v_proj.bias")])
-                if shape.qkv_bias else None,
-                w_o=_quantize_linear(scheme, a + "o_proj", t(a + "o_proj.weight"), stats).to(dtype),
-                b_o=hp(a + "o_proj.bias") if shape.linear_bias else None,
-                w_gate_up=_quantize_linear(scheme, m + "gate_up_proj", w_gu, stats).to(dtype),
-                b_gate_up=torch.cat([hp(m + "gate_proj.bias"), hp(m + "up_proj.bias")]) if shape.linear_bias else None,
-                w_down=_quantize_linear(scheme, m + "down_proj", t(m + "down_proj.weight"), stats).to(dtype),
-                b_down=hp(m + "down_proj.bias") if shape.linear_bias else None,
-                q_norm=hp(a + "q_norm.weight") if shape.qk_layernorm else None,
-                k_norm=hp(a + "k_norm.weight") if shape.qk_layernorm else None,
-            )
-        )
-    embed = hp("model.embed_tokens.weight")
-    lm_head = hp("lm_head.weight") if "lm_head.weight" in sd else embed
+    w_qkv = torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")], dim=0)
+    w_gu = torch.cat([t(m + "gate_proj.weight"), t(m + "up_proj.weight")], dim=0)
+    return LayerWeights(
+        input_norm=hp(p + "input_layernorm.weight"),
+        post_norm=hp(p + "post_attention_layernorm.weight"),
+        w_qkv=_quantize_linear(scheme, a + "qkv_proj", w_qkv, stats).to(dtype),
+        b_qkv=torch.cat([hp(a + "q_proj.bias"), hp(a + "k_proj.bias"), hp(a + "v_proj.bias")])
+        if shape.qkv_bias else None,
+        w_o=_quantize_linear(scheme, a + "o_proj", t(a + "o_proj.weight"), stats).to(dtype),
+        b_o=hp(a + "o_proj.bias") if shape.linear_bias else None,
+        w_gate_up=_quantize_linear(scheme, m + "gate_up_proj", w_gu, stats).to(dtype),
+        b_gate_up=torch.cat([hp(m + "gate_proj.bias"), hp(m + "up_proj.bias")]) if shape.linear_bias else None,
+        w_down=_quantize_linear(scheme, m + "down_proj", t(m + "down_proj.weight"), stats).to(dtype),
+        b_down=hp(m + "down_proj.bias") if shape.linear_bias else None,
+        q_norm=hp(a + "q_norm.weight") if shape.qk_layernorm else None,
+        k_norm=hp(a + "k_norm.weight") if shape.qk_layernorm else None,
+    )
+
+
+def build_weights(
+    shape: ModelShape, weights: WeightsArg, scheme: Any, device: torch.device, dtype: torch.dtype
+) -> RolloutWeights:
+    """Validate the synced weights (HF names), fuse q/k/v and gate/up, quantize the linear weights with ``scheme``.
+
+    ``weights``: a full state dict or a stream of ``(name, tensor)`` pairs in any order
+    (:func:`checked_weight_stream`). A layer is built as soon as all of its tensors have arrived and its
+    incoming tensors are dropped then, so a stream in layer order (``FP8Actor.iter_weights``) costs one
+    layer of incoming float32 tensors on top of the engine's own new weights, whatever the depth.
+    ``scheme.quantize_weight`` runs once per fused linear weight per call (= per weight sync), on the
+    float32 weight; the dequantized result is stored in ``dtype`` on ``device``.
+    """
+    per_layer = {i: 0 for i in range(shape.num_layers)}
+    for k in expected_hf_shapes(shape, 1):
+        if k.startswith("model.layers."):
+            per_layer[int(k.split(".")[2])] += 1
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    layers: list[LayerWeights | None] = [None] * shape.num_layers
+    layer_stats: list[dict[str, dict[str, float]]] = [{} for _ in range(shape.num_layers)]
+    top: dict[str, torch.Tensor] = {}
+    for name, v in checked_weight_stream(shape, weights):
+        if not name.startswith("model.layers."):
+            top[name] = v.detach().to(device=device, dtype=dtype)
+            continue
+        i = int(name.split(".")[2])
+        got = pending.setdefault(i, {})
+        got[name] = v
+        if len(got) == per_layer[i]:
+            layers[i] = _build_layer(shape, i, pending.pop(i), scheme, device, dtype, layer_stats[i])
+    assert not pending and all(lw is not None for lw in layers), "checked_weight_stream ensures every key came"
+    embed = top["model.embed_tokens.weight"]
     return RolloutWeights(
         embed=embed,
-        lm_head=lm_head,
-        final_norm=hp("model.norm.weight"),
-        layers=layers,
+        lm_head=top.get("lm_head.weight", embed),
+        final_norm=top["model.norm.weight"],
+        layers=layers,  # type: ignore[arg-type]
         inv_freq=rope_inv_freq(shape).to(device),
-        linear_stats=stats,
+        linear_stats={k: v for st in layer_stats for k, v in st.items()},
     )
 
 

@@ -2,7 +2,7 @@
 
 How a step goes (the way vLLM serves a batch, without its paging and continuous batching):
 
-1. ``update_weights(hf_state_dict)``: validate names and shapes, fuse q/k/v and gate/up, quantize every
+1. ``update_weights(weights)``: validate names and shapes, fuse q/k/v and gate/up, quantize every
    linear weight once with the rollout FP8 scheme (the per-weight scales are recomputed from the new
    weights on every sync, as an inference engine does when the trainer pushes BF16 weights).
 2. ``generate``: prompts of different lengths are right-padded and prefilled in one causal forward that
@@ -19,7 +19,7 @@ instead of O(B S^2) + O(B S) without a cache (S = current length). :meth:`forwar
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 import logging
 from typing import Any
 
@@ -35,6 +35,7 @@ from nemo_fp8rl.rollout.model import (
     KVCache,
     ModelShape,
     RolloutWeights,
+    WeightsArg,
     build_weights,
     forward_decode,
     forward_full,
@@ -106,13 +107,17 @@ class TorchRolloutEngine:
         """Number of weight syncs received so far."""
 
     # ---------------------------------------------------------------- weights
-    def update_weights(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    def update_weights(self, weights: WeightsArg) -> dict[str, dict[str, float]]:
         """Replace the weights (HF Llama/Qwen names, any order) and re-quantize them for the FP8 scheme.
+
+        ``weights``: a full state dict or a stream of ``(name, tensor)`` pairs (``actor.iter_weights()``);
+        a stream is consumed layer by layer (:func:`~nemo_fp8rl.rollout.model.build_weights`). The new
+        weights replace the old ones only after the whole sync succeeded.
 
         Returns the per-linear record of this sync (``amax``, relative quantization error ``rel_err``,
         and the ``scale`` when the scheme reports it), also kept as :attr:`last_sync`.
         """
-        self.weights = build_weights(self.shape, hf_state_dict, self.scheme, self.device, self.dtype)
+        self.weights = build_weights(self.shape, weights, self.scheme, self.device, self.dtype)
         self.weights_version += 1
         if self.weights_version == 1:
             log.info(

@@ -290,6 +290,82 @@ def test_weights_in_any_order_give_the_same_model():
     assert torch.equal(a.forward(t), b.forward(t))
 
 
+class _TrackedStream:
+    """A weight stream (as ``FP8Actor.iter_weights`` yields it) that records, at each ``next``, how many of
+    the tensors it yielded before still have their storage referenced by anyone (the consumer): weak
+    references to the storages, so views and ``detach()`` of a yielded tensor count as keeping it."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], order: list[str]):
+        import weakref
+
+        self._weakref = weakref.ref
+        self.items = [(k, sd[k].clone()) for k in order]
+        self.alive_max = 0
+        self._refs: list = []
+
+    def __iter__(self):
+        import gc
+
+        while self.items:
+            gc.collect()
+            self.alive_max = max(self.alive_max, sum(r() is not None for r in self._refs))
+            name, t = self.items.pop(0)
+            self._refs.append(self._weakref(t.untyped_storage()))
+            yield name, t
+            del t
+
+
+def _layer_order(sd: dict) -> list[str]:
+    """Embedding, then each layer's tensors, then the final norm and head: the actor's stream order."""
+    first = ["model.embed_tokens.weight"]
+    last = [k for k in ("model.norm.weight", "lm_head.weight") if k in sd]
+    return first + [k for k in sd if k not in first + last] + last
+
+
+@pytest.mark.parametrize("scheme", ["off", "vllm_block"])
+def test_streamed_sync_equals_dict_sync_and_holds_one_layer(scheme):
+    """``update_weights(stream)`` builds the same engine as the dict, holding at most one layer of the
+    incoming tensors at a time, whatever the number of layers. The engine computes in bfloat16 here, so
+    every tensor it keeps is its own copy and any incoming float32 storage still alive is held only by
+    the sync itself."""
+    cfg = ModelConfig(**dict(CONFIGS["qwen3"], num_layers=6))
+    sd = random_hf_weights(cfg, seed=5, logit_scale=4.0)
+    kw = dict(fp8_scheme=scheme, eos_id=EOS, pad_id=PAD, dtype=torch.bfloat16)
+    a, b = get_rollout_engine("torch", cfg, **kw), get_rollout_engine("torch", cfg, **kw)
+    rec_a = a.update_weights(sd)
+    stream = _TrackedStream(sd, _layer_order(sd))
+    rec_b = b.update_weights(iter(stream))
+    assert rec_a == rec_b
+    t = torch.tensor([RAGGED[2]])
+    assert torch.equal(a.forward(t), b.forward(t))
+    per_layer = sum(k.startswith("model.layers.0.") for k in sd)
+    assert 0 < stream.alive_max <= per_layer, (stream.alive_max, per_layer)
+
+
+def test_bad_stream_raises_and_keeps_the_old_weights():
+    cfg = ModelConfig(**CONFIGS["qwen2"])
+    eng = make_engine(cfg)
+    t = torch.tensor([RAGGED[0]])
+    before = eng.forward(t)
+    sd = random_hf_weights(cfg, seed=9)
+    order = _layer_order(sd)
+    wrong = dict(sd, **{"model.layers.1.mlp.down_proj.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight: shape \(3, 3\)"):
+        eng.update_weights((k, wrong[k]) for k in order)
+    with pytest.raises(ValueError, match=r"stream ended without 1 keys: \['model.norm.weight'\]"):
+        eng.update_weights((k, sd[k]) for k in order if k != "model.norm.weight")
+    with pytest.raises(ValueError, match="model.norm.weight arrived twice"):
+        eng.update_weights((k, sd[k]) for k in order + ["model.norm.weight"])
+    with pytest.raises(ValueError, match="unexpected key model.layers.7"):
+        eng.update_weights(iter([("model.embed_tokens.weight", sd["model.embed_tokens.weight"]),
+                                 ("model.layers.7.mlp.up_proj.weight", torch.zeros(1))]))
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        eng.update_weights(iter([("model.embed_tokens.weight", torch.zeros(3, 64))]))
+    assert eng.weights_version == 1 and torch.equal(eng.forward(t), before)  # nothing half-loaded
+    eng.update_weights((k, sd[k]) for k in order)
+    assert eng.weights_version == 2 and not torch.equal(eng.forward(t), before)
+
+
 def test_sync_requantizes_fused_weights_per_tensor():
     cfg = ModelConfig(**CONFIGS["qwen2"])
     scheme = get_rollout_scheme("vllm_w8a8")
