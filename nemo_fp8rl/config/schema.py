@@ -79,6 +79,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """vllm: fraction of GPU memory the engine may take for weights and KV cache (GPU only; ignored on
     CPU, where VLLM_CPU_KVCACHE_SPACE sets the KV cache in GiB)."""
+    sleep_level: int = 2
+    """vllm on GPU, colocated with training: what the engine frees between its rollout and the next weight
+    sync (vLLM sleep mode): 0 keeps its memory; 1 moves its weights to host memory and frees the KV cache;
+    2 frees weights and KV cache (the next sync rewrites every weight anyway). No-op on CPU."""
     fp8: RolloutFp8Config = field(default_factory=RolloutFp8Config)
 
 
@@ -396,6 +400,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.rollout.max_new_tokens < 1:
         raise ConfigError("rollout.max_new_tokens must be >= 1")
     _validate_rollout_engine(cfg)
+    _choice("rollout.sleep_level", cfg.rollout.sleep_level, [0, 1, 2])
 
     _choice("calibration.upper_mode", c.upper_mode, ["balance", "quantile", "proportional", "fixed"])
     if c.interval < 1:

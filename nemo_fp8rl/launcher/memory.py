@@ -334,7 +334,8 @@ class PlanOptions:
     assumption, not a measurement: raise it if a run that the plan passes runs out of memory."""
     rollout_share: Optional[float] = None
     """Share of the GPU a colocated GPU rollout engine reserves (vLLM's ``gpu_memory_utilization``);
-    None = the config's engine as it runs today (``torch``: on the host, no GPU memory)."""
+    None = the config's engine: ``vllm`` reserves ``rollout.gpu_memory_utilization``, ``torch`` runs on the
+    host (no GPU memory)."""
 
     @property
     def capacity_bytes(self) -> Optional[int]:
@@ -375,6 +376,9 @@ class RolloutPlan:
     kv_per_sequence: int
     sequences: int  # the rank's rollout batch: prompts_per_step / DP x group_size
     scheme: str
+    sleeps: bool = False
+    """The engine frees its GPU memory while training runs (vLLM sleep mode, ``rollout.sleep_level`` > 0):
+    its reservation then competes only with the training state that stays resident during generation."""
 
     @property
     def kv_capacity(self) -> int:
@@ -442,16 +446,32 @@ class MemoryPlan:
 
     @property
     def available(self) -> Optional[int]:
-        """Bytes training may use: capacity - headroom - the rollout engine's reservation."""
+        """Bytes training may use: capacity - headroom - the rollout engine's reservation (nothing of it
+        when the engine sleeps during training)."""
         if self.capacity is None:
             return None
-        return self.capacity - self.headroom - (self.rollout.reserved if self.rollout else 0)
+        held = self.rollout.reserved if self.rollout is not None and not self.rollout.sleeps else 0
+        return self.capacity - self.headroom - held
+
+    @property
+    def resident(self) -> int:
+        """Training bytes that stay on the GPU while the rollout engine generates: everything but the
+        activations and logits of a step (weights, FP8 copies, grad buffers, optimizer state)."""
+        return self.train_total - self.components.get("activations", 0) - self.components.get("logits", 0)
+
+    @property
+    def generation_fits(self) -> bool:
+        """A sleeping engine wakes up next to the resident training state: resident + reservation fit."""
+        if self.capacity is None or self.rollout is None or not self.rollout.sleeps:
+            return True
+        return self.resident + self.rollout.reserved <= self.capacity - self.headroom
 
     @property
     def fits(self) -> bool:
         if self.capacity is None:
             return True
-        return self.train_total <= self.available and (self.rollout is None or self.rollout.fits)
+        return (self.train_total <= self.available and self.generation_fits
+                and (self.rollout is None or self.rollout.fits))
 
     def summary(self) -> str:
         """One line: what the plan says for this arm."""
@@ -460,9 +480,16 @@ class MemoryPlan:
             return (f"{self.arm}/{self.optimizer}: {self.train_total / 2**20:.1f} MiB per rank (host memory, "
                     "no capacity check)")
         verdict = "fits" if self.fits else "does NOT fit"
-        extra = f", rollout engine {self.rollout.reserved / GIB:.1f} GiB" if self.rollout else ""
+        r = self.rollout
+        extra = f", rollout engine {r.reserved / GIB:.1f} GiB" if r is not None and not r.sleeps else ""
+        gen = ""
+        if r is not None and r.sleeps:
+            gen = (f"; generation: resident training state {self.resident / GIB:.1f} GiB + rollout engine "
+                   f"{r.reserved / GIB:.1f} GiB of {(self.capacity - self.headroom) / GIB:.1f} GiB")
+        if r is not None and not r.fits:
+            gen += "; the rollout engine's share holds its weights but not one sequence's KV cache"
         return (f"{self.arm}/{self.optimizer}: training {gib:.1f} GiB of {self.available / GIB:.1f} GiB available "
-                f"(capacity {self.capacity / GIB:.1f} GiB - headroom {self.headroom / GIB:.1f}{extra}): {verdict}")
+                f"(capacity {self.capacity / GIB:.1f} GiB - headroom {self.headroom / GIB:.1f}{extra}){gen}: {verdict}")
 
 
 def _fp8_layers(cfg, recipe) -> Optional[set]:
@@ -565,16 +592,33 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
     comps, rec, stage, in_flight = best
     cap = options.capacity_bytes
     rollout = None
-    if cap is not None and options.rollout_share is not None:
+    share = rollout_share(cfg, options)
+    if cap is not None and share is not None:
         a = cfg.algorithm
         scheme = cfg.rollout.fp8.scheme if recipe is not None else "off"
-        rollout = rollout_plan(shape, tp, pp, cfg.model.seq_length, a.prompts_per_step // options.dp * a.group_size,
-                               scheme, int(options.rollout_share * cap))
+        vllm = cfg.rollout.engine == "vllm"
+        # our vllm engine: a whole model per rank, split over rollout.tensor_parallel_size GPUs (no PP);
+        # a what-if engine for another config (--rollout-share): sharded like training
+        r_tp, r_pp = (cfg.rollout.tensor_parallel_size, 1) if vllm else (tp, pp)
+        rollout = rollout_plan(shape, r_tp, r_pp, cfg.model.seq_length,
+                               a.prompts_per_step // options.dp * a.group_size, scheme, int(share * cap))
+        if vllm and getattr(cfg.rollout, "sleep_level", 0) > 0:
+            rollout = dataclasses.replace(rollout, sleeps=True)
     return MemoryPlan(
         recipe=recipe_name, optimizer=optimizer, stage=stage, components=comps, recompute_activations=rec,
         capacity=cap, headroom=0 if cap is None else int(options.headroom * cap), rollout=rollout,
         microbatches=microbatches(cfg, options.dp), in_flight=in_flight,
     )
+
+
+def rollout_share(cfg, options: PlanOptions) -> Optional[float]:
+    """The GPU share the rollout engine reserves: ``--rollout-share``, else ``rollout.gpu_memory_utilization``
+    for the vllm engine on a GPU, else None (the torch engine runs on the host)."""
+    if options.rollout_share is not None:
+        return options.rollout_share
+    if options.device == "gpu" and cfg.rollout.engine == "vllm":
+        return float(cfg.rollout.gpu_memory_utilization)
+    return None
 
 
 def config_recipe(cfg) -> Optional[str]:
@@ -669,10 +713,13 @@ def suggest_fixes(cfg, options: PlanOptions, *, world: Optional[int] = None, gpu
                 out.append(f"parallel.tensor_model_parallel_size={t} parallel.pipeline_model_parallel_size={q} "
                            f"({t * q} GPUs per model replica, {t * q * options.dp} for DP={options.dp})")
                 break
-    if options.rollout_share is not None:
-        for share in (0.5, 0.4, 0.3, 0.2):
-            if share < options.rollout_share and fits(cfg, o=dataclasses.replace(options, rollout_share=share)):
-                out.append(f"a smaller rollout engine share (--rollout-share {share})")
+    share = rollout_share(cfg, options)
+    if share is not None:
+        vllm_key = options.rollout_share is None  # the config's own vllm engine
+        for new in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
+            if new != share and fits(cfg, o=dataclasses.replace(options, rollout_share=new)):
+                out.append(f"rollout.gpu_memory_utilization={new}" if vllm_key
+                           else f"a rollout engine share of {new} (--rollout-share {new})")
                 break
     return out[:limit]
 
@@ -751,6 +798,8 @@ def format_table(plans: list[MemoryPlan], own: Optional[tuple[Optional[str], str
             row("  activations, recompute", [pl.recompute_activations / scale for pl in block])  # not in total
             if block[0].rollout is not None:
                 row("rollout engine reserved", [pl.rollout.reserved / scale for pl in block])
+                if block[0].rollout.sleeps:
+                    row("  + resident, generating", [(pl.resident + pl.rollout.reserved) / scale for pl in block])
             row("available for training", [pl.available / scale for pl in block])
             row("fits", ["yes" if pl.fits else "NO" for pl in block], fmt="{}")
         lines.append("")
@@ -782,8 +831,12 @@ def describe(cfg, options: PlanOptions, plan: MemoryPlan) -> str:
                          "--rollout-share F plans a colocated GPU engine taking F of each GPU")
         else:
             r = plan.rollout
+            src = (f"--rollout-share {options.rollout_share:g}" if options.rollout_share is not None
+                   else f"rollout.gpu_memory_utilization={rollout_share(cfg, options):g}, "
+                        f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}, "
+                        + ("sleeps while training" if r.sleeps else "keeps its memory while training"))
             lines.append(
-                f"rollout engine (GPU, {r.scheme}, --rollout-share {options.rollout_share:g}): weights "
+                f"rollout engine {cfg.rollout.engine!r} (GPU, {r.scheme}, {src}): weights "
                 f"{r.weights / GIB:.2f} GiB, KV {r.kv_per_sequence / 2**20:.1f} MiB per {m.seq_length}-token "
                 f"sequence: room for {r.concurrent} sequences at once, the rank's rollout batch is {r.sequences}"
                 + ("" if r.fits else ": NOT EVEN ONE SEQUENCE FITS"))

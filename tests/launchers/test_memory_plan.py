@@ -321,6 +321,47 @@ def test_rollout_engine_share():
     assert bf16.rollout.weights > r.weights  # the BF16 arm's engine keeps BF16 linears
 
 
+def test_vllm_engine_reserves_its_gpu_share_and_sleeps_during_training():
+    """``rollout.engine=vllm`` on GPU: the engine reserves ``rollout.gpu_memory_utilization`` of each GPU and
+    holds the whole model per ``rollout.tensor_parallel_size`` GPUs (not sharded like training). With
+    ``rollout.sleep_level`` > 0 its memory is free while training runs, and at generation time it sits next
+    to the training state that stays resident (all but activations and logits)."""
+    import dataclasses
+
+    from nemo_fp8rl.launcher.memory import rollout_plan, suggest_fixes
+
+    cfg, options = _gpu_cfg("qwen3_8b", 4, 1, 8, mb=1, fp8="blockwise")
+    cfg.rollout.engine, cfg.rollout.fp8.scheme = "vllm", "vllm_block"
+    cap, head = options.capacity_bytes, int(options.headroom * options.capacity_bytes)
+    plan = plan_arm(cfg, options, recipe_name="blockwise", optimizer="distributed")
+    r = plan.rollout
+    assert r.reserved == int(0.5 * cap) and r.sleeps
+    a = cfg.algorithm
+    whole = rollout_plan(model_shape(cfg.model, 4), 1, 1, cfg.model.seq_length,
+                         a.prompts_per_step // options.dp * a.group_size, "vllm_block", r.reserved)
+    assert r.weights == whole.weights and r.kv_per_sequence == whole.kv_per_sequence
+    assert plan.available == cap - head  # asleep while training
+    resident = plan.train_total - plan.components["activations"] - plan.components["logits"]
+    assert plan.resident == resident and plan.generation_fits == (resident + r.reserved <= cap - head)
+    assert plan.fits
+
+    cfg.rollout.sleep_level = 0  # keeps its memory: training gets what is left
+    awake = plan_arm(cfg, options, recipe_name="blockwise", optimizer="distributed")
+    assert not awake.rollout.sleeps and awake.available == cap - head - r.reserved
+
+    # a share that leaves no room next to the resident training state: refused, the knob named
+    cfg.rollout.sleep_level = 2
+    cfg.rollout.gpu_memory_utilization = 0.9
+    big = plan_arm(cfg, options, recipe_name="blockwise", optimizer="distributed")
+    assert big.train_total <= big.available and not big.generation_fits and not big.fits
+    assert "generation: resident training state" in big.summary() and "does NOT fit" in big.summary()
+    fixes = suggest_fixes(cfg, options)
+    assert any(f.startswith("rollout.gpu_memory_utilization=") for f in fixes), fixes
+    fixed = float(next(f for f in fixes if f.startswith("rollout.gpu_memory_utilization=")).split("=")[1])
+    assert plan_arm(cfg, dataclasses.replace(options, rollout_share=fixed), recipe_name="blockwise",
+                    optimizer="distributed").fits
+
+
 # --------------------------------------------------------------------------- the CLI
 def _plan(*argv):
     from nemo_fp8rl.launch import plan_main
