@@ -976,6 +976,9 @@ def main(argv: list[str], *, compose_train, compose_launcher, plan_stages, out=p
         args = parser.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code == 0 else 2
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     from nemo_fp8rl.launcher.plan import LaunchError
 
     try:
@@ -1004,7 +1007,8 @@ def main(argv: list[str], *, compose_train, compose_launcher, plan_stages, out=p
             ok &= report(cfg, options, label=label, world=world, gpus_per_node=gpn,
                          compare_megatron=args.compare_megatron, out=out)
         return 0 if ok else 1
-    except (PlanError, LaunchError, ValueError) as e:
+    except (PlanError, LaunchError, ValueError, HydraException, OmegaConfBaseException) as e:
+        # Hydra's composition errors name the override and the fix ("use +rl.rollout.engine=..."): no traceback
         err(f"{_PROG}: {e}")
         return 2
 

@@ -383,6 +383,16 @@ def test_cli_prints_every_recipe_side_by_side(capsys):
     assert "this config (blockwise, optimizer " in out and ": fits" in out
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["rl=qwen3_8b_grpo_bf16", "rl.rollout.engine=vllm"], "use +rl.rollout.engine=vllm"),
+    (["model=tiny", "rollout.enginex=vllm"], "rollout.enginex"),
+])
+def test_cli_bad_override_is_one_line_not_a_traceback(capsys, argv, needle):
+    rc = _plan(*argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err, err
+
+
 def _first_fix(out: str) -> tuple[list[str], int | None]:
     """The overrides and GPU count of the first knob the plan names ('would fit with: ...')."""
     import re
