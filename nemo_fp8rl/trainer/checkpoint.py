@@ -43,6 +43,9 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 DIST_DIR = "dist"
 # Config keys a format-2 checkpoint may change on resume (the sharded state is layout-free).
 RESHARDABLE_PREFIXES = ("parallel.",)
+# How to move a format-1 run to another layout (named by both of its layout errors).
+FORMAT1_WAY_OUT = ("resume once with the saved parallel.* values and the same number of ranks (TP x PP x DP); "
+                   "the next checkpoint that run writes is in the sharded format 2, which resumes at any layout")
 
 
 class CheckpointError(RuntimeError):
@@ -339,15 +342,19 @@ class CheckpointManager:
         world = _world()
         if fmt == 1 and meta.get("world_size") != world:
             raise CheckpointError(
-                f"{meta_path}: saved with world size {meta.get('world_size')}, resuming with {world}; "
-                "resume with the same number of ranks (TP x PP x DP): this is a per-rank (format 1) checkpoint, "
-                "which cannot change layout (checkpoints written since format 2 can)"
+                f"{meta_path}: saved with world size {meta.get('world_size')}, resuming with {world}; this is a "
+                f"per-rank (format 1) checkpoint, which cannot change layout: {FORMAT1_WAY_OUT}"
             )
         diff = diff_fingerprints(meta.get("fingerprint", {}), fingerprint)
         if fmt == 2:
             diff = [x for x in diff if not x[0].startswith(RESHARDABLE_PREFIXES)]
         if diff:
             lines = "; ".join(f"{k}: checkpoint={a!r} now={b!r}" for k, a, b in diff)
+            if all(k.startswith(RESHARDABLE_PREFIXES) for k, _, _ in diff):  # format 1, layout only
+                raise CheckpointError(
+                    f"{meta_path}: the parallel layout changed ({lines}); this is a per-rank (format 1) checkpoint, "
+                    f"which cannot change layout: {FORMAT1_WAY_OUT}"
+                )
             raise CheckpointError(
                 f"{meta_path}: the config changed in keys that shape the model or the run ({lines}); "
                 "resume with the original values or start a new output_dir"
