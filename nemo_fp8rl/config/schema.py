@@ -83,6 +83,11 @@ class RolloutConfig:
     """vllm on GPU, colocated with training: what the engine frees between its rollout and the next weight
     sync (vLLM sleep mode): 0 keeps its memory; 1 moves its weights to host memory and frees the KV cache;
     2 frees weights and KV cache (the next sync rewrites every weight anyway). No-op on CPU."""
+    split_prompts: Optional[bool] = None
+    """Split each data-parallel rank's rollout batch over its model-parallel (TP x PP) ranks: every rank
+    generates its share with its own whole-model engine and the shares are gathered, so the replica's
+    GPUs do not all generate the same batch. null = true for vllm, false for torch (the CPU reference
+    engine: every rank generates the whole batch, as before)."""
     fp8: RolloutFp8Config = field(default_factory=RolloutFp8Config)
 
 

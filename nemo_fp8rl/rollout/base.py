@@ -124,6 +124,23 @@ class RolloutBatch:
         return cls(tokens=tokens[:, :T].contiguous(), prompt_lens=prompt_lens, response_lens=response_lens,
                    mask=mask, rollout_logp=logp[:, :T] * mask, finished=finished)
 
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
+        """Rows of ``batches`` in order, re-padded to the widest: [sum B_i, max T_i] (tokens padded with
+        ``pad_id``, mask and ``rollout_logp`` with 0)."""
+        if not batches:
+            raise ValueError("RolloutBatch.concat needs at least one batch")
+        width = max(b.tokens.shape[1] for b in batches)
+
+        def cat(name: str, value: float) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(getattr(b, name), (0, width - b.tokens.shape[1]), value=value)
+                              for b in batches])
+
+        return cls(tokens=cat("tokens", pad_id), mask=cat("mask", 0.0), rollout_logp=cat("rollout_logp", 0.0),
+                   prompt_lens=torch.cat([b.prompt_lens for b in batches]),
+                   response_lens=torch.cat([b.response_lens for b in batches]),
+                   finished=torch.cat([b.finished for b in batches]))
+
     @property
     def batch_size(self) -> int:
         return int(self.tokens.shape[0])

@@ -142,6 +142,12 @@ class RLTrainer:
             cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
             eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None), options=cfg.rollout,
         )
+        split = cfg.rollout.split_prompts if cfg.rollout.split_prompts is not None else cfg.rollout.engine != "torch"
+        mp_size = dist.get_world_size(self.actor.mp_group) if dist.is_initialized() else 1
+        self._split = (self.actor.mp_group, dist.get_rank(self.actor.mp_group), mp_size) if split and mp_size > 1 else None
+        if self._split is not None:
+            logger.info("rollout: each of the %d model-parallel ranks of a replica generates 1/%d of its batch "
+                        "(rollout.split_prompts)", mp_size, mp_size)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             max_new_tokens=cfg.rollout.max_new_tokens, stop_on_eos=cfg.rollout.stop_on_eos,
@@ -255,7 +261,7 @@ class RLTrainer:
         a = self.cfg.algorithm
         prompts = self.task.prompts(n_prompts)
         expanded = [p for p in prompts for _ in range(a.group_size)]
-        batch = self.engine.generate([p.ids for p in expanded], self.sampling, self.rollout_gen)
+        batch = self._engine_generate([p.ids for p in expanded])
         texts = [self.task.response_text(r) for r in batch.responses()]
         scores = self.task.score(expanded, texts)
         rewards = scores.rewards.clone()
@@ -265,6 +271,30 @@ class RLTrainer:
             )
         adv = self.adv_fn(rewards, a.group_size, **({"norm_by_std": a.norm_adv_by_std} if a.adv_estimator == "grpo" else {}))
         return batch, scores, rewards, adv
+
+    def _engine_generate(self, prompts: list[list[int]]):
+        """The engine's batch for ``prompts``, the same on every model-parallel rank of the replica.
+
+        Without ``rollout.split_prompts`` every rank generates all of it with ``rollout_gen``. With it,
+        rank k of the M model-parallel ranks generates rows [k B / M, (k + 1) B / M) with a generator
+        seeded from one draw of ``rollout_gen`` (+ k) and the shares are all-gathered in rank order, so
+        every rank advances ``rollout_gen`` alike (resume stays exact) and trains on the same batch.
+        """
+        from nemo_fp8rl.rollout import RolloutBatch
+
+        if self._split is None:
+            return self.engine.generate(prompts, self.sampling, self.rollout_gen)
+        group, rank, size = self._split
+        base = int(torch.randint(0, 2**62, (1,), generator=self.rollout_gen))
+        B = len(prompts)
+        lo, hi = rank * B // size, (rank + 1) * B // size
+        mine = None
+        if hi > lo:
+            share_gen = torch.Generator().manual_seed(base + rank)
+            mine = self.engine.generate(prompts[lo:hi], self.sampling, share_gen)
+        shares: list = [None] * size
+        dist.all_gather_object(shares, mine, group=group)
+        return RolloutBatch.concat([b for b in shares if b is not None], self.task.tokenizer.pad_id)
 
     def _rollout(self):
         """Rollout with DAPO dynamic sampling: keep groups with reward variance, sample more to refill."""

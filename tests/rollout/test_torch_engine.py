@@ -463,3 +463,24 @@ def test_cuda_engine_matches_cpu():
     out.validate()
     m = out.mask.bool()
     torch.testing.assert_close(out.rollout_logp[m], cpu.logprobs(out.tokens)[m], atol=1e-3, rtol=0)
+
+
+def test_concat_of_shares_is_the_batch_of_their_rows():
+    """``RolloutBatch.concat``: the rows of each share in order, re-padded to the widest (what the trainer
+    gathers when model-parallel ranks split a rollout); the result passes ``validate()``."""
+    from nemo_fp8rl.rollout import RolloutBatch
+
+    eng = make_engine(ModelConfig(**CONFIGS["llama"]))
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    a = eng.generate(RAGGED[:1], params, torch.Generator().manual_seed(0))  # one short prompt
+    b = eng.generate(RAGGED[1:], params, torch.Generator().manual_seed(1))
+    both = RolloutBatch.concat([a, b], PAD)
+    both.validate()
+    assert both.batch_size == a.batch_size + b.batch_size
+    assert both.responses() == a.responses() + b.responses()
+    for part, rows in ((a, slice(0, 1)), (b, slice(1, None))):
+        T = part.tokens.shape[1]
+        assert torch.equal(both.tokens[rows, :T], part.tokens) and torch.equal(both.rollout_logp[rows, :T], part.rollout_logp)
+        assert bool((both.tokens[rows, T:] == PAD).all()) and bool((both.mask[rows, T:] == 0).all())
+    with pytest.raises(ValueError, match="at least one"):
+        RolloutBatch.concat([], PAD)
