@@ -16,7 +16,8 @@ quote them with the machine.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import platform
 import time
 
 import torch
@@ -26,14 +27,18 @@ from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
 from nemo_fp8rl.rollout.model import ModelShape, expected_hf_shapes
 
 SHAPES = {
-    "tiny": dict(vocab_size=512, num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=384),
-    "small": dict(vocab_size=4096, num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=2,
-                  ffn_hidden_size=1536),
+    "tiny": {"vocab_size": 512, "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "ffn_hidden_size": 384},
+    "small": {"vocab_size": 4096, "num_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 2,
+              "ffn_hidden_size": 1536},
 }
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named weights: linears ~ N(0, 1/fan_in), norms = 1, embeddings ~ N(0, 1) (LM head scaled)."""
+def random_weights(cfg: ModelConfig, seed: int = 0, logit_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """HF-named weights: linears ~ N(0, 1/fan_in), norms = 1, embeddings ~ N(0, 1).
+
+    ``logit_scale`` multiplies the LM head (untied): > 1 gives peaked next-token distributions, like a
+    trained model's, instead of near-uniform ones (benchmarks/gpu_check.py's vLLM parity uses 4).
+    """
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for k, s in expected_hf_shapes(ModelShape.from_config(cfg), cfg.vocab_size).items():
@@ -42,8 +47,19 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         elif k == "model.embed_tokens.weight":
             sd[k] = torch.randn(s, generator=g)
         else:
-            sd[k] = torch.randn(s, generator=g) / s[1] ** 0.5
+            sd[k] = torch.randn(s, generator=g) / s[1] ** 0.5 * (logit_scale if k == "lm_head.weight" else 1.0)
     return sd
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux: the platform's own (often empty) answer
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -52,8 +68,11 @@ def main() -> None:
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--lengths", default="32,128")
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for both engines (default: torch's)")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     cfg = ModelConfig(name=args.model, seq_length=args.prompt_len + max(lengths),
@@ -72,11 +91,14 @@ def main() -> None:
             t0 = time.perf_counter()
             eng.update_weights(sd)
             ts.append(time.perf_counter() - t0)
-        sync[name] = statistics.median(ts)
+        sync[name] = min(ts)
 
     g = torch.Generator().manual_seed(0)
+    import vllm  # installed: the vllm engine above imported it
+
+    print(f"{_cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, vllm {vllm.__version__}")
     print(f"model {args.model}: {n_params / 1e6:.2f}M parameters, prompt {args.prompt_len} tokens, "
-          f"threads {torch.get_num_threads()}, median of {args.repeats}")
+          f"threads {torch.get_num_threads()}, fastest of {args.repeats} (after 1 warm-up)")
     print(f"{'batch':>6} {'resp':>5} {'torch tok/s':>12} {'vllm tok/s':>11} {'vllm/torch':>10}")
     for B in batches:
         prompts = [[1 + (b * 7 + i) % (cfg.vocab_size - 1) for i in range(args.prompt_len)] for b in range(B)]
@@ -91,7 +113,7 @@ def main() -> None:
                     out = eng.generate(prompts, params, g)
                     times[name].append(time.perf_counter() - t0)
                     assert int(out.response_lens.sum()) == B * N
-            tps = {k: B * N / statistics.median(v) for k, v in times.items()}
+            tps = {k: B * N / min(v) for k, v in times.items()}
             print(f"{B:>6} {N:>5} {tps['torch']:>12.0f} {tps['vllm']:>11.0f} {tps['vllm'] / tps['torch']:>10.2f}")
     for name, s in sync.items():
         print(f"weight sync {name}: {s:.3f} s ({s / (n_params / 1e6):.3f} s per million parameters)")

