@@ -487,7 +487,9 @@ class MemoryPlan:
             gen = (f"; generation: resident training state {self.resident / GIB:.1f} GiB + rollout engine "
                    f"{r.reserved / GIB:.1f} GiB of {(self.capacity - self.headroom) / GIB:.1f} GiB")
         if r is not None and not r.fits:
-            gen += "; the rollout engine's share holds its weights but not one sequence's KV cache"
+            gen += (f"; the rollout engine's share ({r.reserved / GIB:.1f} GiB) is smaller than its weights "
+                    f"({r.weights / GIB:.1f} GiB)" if r.reserved < r.weights else
+                    "; the rollout engine's share holds its weights but not one sequence's KV cache")
         return (f"{self.arm}/{self.optimizer}: training {gib:.1f} GiB of {self.available / GIB:.1f} GiB available "
                 f"(capacity {self.capacity / GIB:.1f} GiB - headroom {self.headroom / GIB:.1f}{extra}){gen}: {verdict}")
 
@@ -947,9 +949,21 @@ def report(cfg, options: PlanOptions, *, label: str, world: Optional[int] = None
         if fixes:
             out("  would fit with: " + "; or ".join(fixes))
         else:
-            out("  no single knob tried here makes it fit (micro batch, TP, PP, optimizer): use more GPUs per "
-                "replica or a GPU with more memory")
+            out("  " + no_fix_hint(own))
     return own.fits
+
+
+def no_fix_hint(plan: MemoryPlan) -> str:
+    """What to do when :func:`suggest_fixes` finds no single knob: depends on what does not fit."""
+    r = plan.rollout
+    if r is not None and plan.train_total <= plan.available and not (r.fits and plan.generation_fits):
+        fp8 = ("FP8 rollout (rollout.fp8.scheme=vllm_block) stores its linears in 1 byte, or " if plan.recipe
+               else "the BF16 arm generates in BF16; ")
+        return ("training fits, the rollout engine does not: the vllm engine holds the whole model on each "
+                f"GPU ({r.weights / GIB:.1f} GiB of weights here); {fp8}use a GPU with more memory (--gpu h200; "
+                "launcher: +launcher.memory_plan=h200)")
+    return ("no single knob tried here makes it fit (micro batch, TP, PP, optimizer): use more GPUs per replica "
+            "or a GPU with more memory")
 
 
 def main(argv: list[str], *, compose_train, compose_launcher, plan_stages, out=print, err=None) -> int:
@@ -1059,7 +1073,7 @@ __all__ = [
     "CPU_RECIPES", "DEVICES", "GIB", "GPUS_MIB", "GPU_RECIPES", "MemoryPlan", "ModelShape", "OPTIMIZERS",
     "PlanError", "PlanOptions", "RolloutPlan", "StageParams", "config_optimizer", "config_recipe", "describe",
     "format_table", "fp8_copy_bytes_per_weight", "layer_activation_bytes", "logits_bytes", "main",
-    "megatron_reference", "memory_plan_setting", "microbatches", "model_shape", "plan_arm", "plan_config",
+    "megatron_reference", "memory_plan_setting", "no_fix_hint", "microbatches", "model_shape", "plan_arm", "plan_config",
     "plan_table", "report", "resolve_for_plan", "rollout_plan", "stage_activation_bytes", "stage_parameters",
     "state_bytes", "suggest_fixes", "train_config_from_overrides", "weight_copy_bytes",
 ]

@@ -439,7 +439,14 @@ def _check_memory(run: RunSettings, train, stage: str, config_name: str, setting
     """The memory plan of a GPU stage; a layout that cannot fit stops the launch, naming knobs that fit."""
     import dataclasses
 
-    from nemo_fp8rl.launcher.memory import PlanError, PlanOptions, memory_plan_setting, plan_config, suggest_fixes
+    from nemo_fp8rl.launcher.memory import (
+        PlanError,
+        PlanOptions,
+        memory_plan_setting,
+        no_fix_hint,
+        plan_config,
+        suggest_fixes,
+    )
 
     try:
         gpu = memory_plan_setting(setting)
@@ -457,11 +464,15 @@ def _check_memory(run: RunSettings, train, stage: str, config_name: str, setting
         raise LaunchError(f"memory plan of {stage}: {_scoped(str(e), stage)}") from None
     if not plan.fits:
         fixes = [_scoped(f, stage) for f in suggest_fixes(cfg, options, world=world, gpus_per_node=run.gpus_per_node)]
-        hint = ("; it would fit with " + " or ".join(fixes)) if fixes else "; use more GPUs per model replica"
+        hint = ("; it would fit with " + " or ".join(fixes)) if fixes else "; " + _scoped(no_fix_hint(plan), stage)
+        if plan.train_total > plan.available:
+            need = (f"needs {plan.train_total / 2**30:.1f} GiB per GPU, but {options.gpu_label} leaves "
+                    f"{plan.available / 2**30:.1f} GiB after {options.headroom:.0%} headroom")
+        else:
+            need = f"does not fit {options.gpu_label}: {plan.summary()}"
         raise LaunchError(
-            f"memory plan: {stage} (TP={tp} x PP={pp} x DP={options.dp}, {plan.arm}, {plan.optimizer} optimizer) needs "
-            f"{plan.train_total / 2**30:.1f} GiB per GPU, but {options.gpu_label} leaves {plan.available / 2**30:.1f} GiB "
-            f"after {options.headroom:.0%} headroom{hint}. "
+            f"memory plan: {stage} (TP={tp} x PP={pp} x DP={options.dp}, {plan.arm}, {plan.optimizer} optimizer) "
+            f"{need}{hint}. "
             f"`nemo-fp8rl-plan {stage}={config_name} <the same overrides>` prints the breakdown; +launcher.memory_plan=<gpu or GiB> "
             "names another GPU, +launcher.memory_plan=off skips this check"
         )

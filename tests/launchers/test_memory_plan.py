@@ -393,6 +393,18 @@ def test_cli_bad_override_is_one_line_not_a_traceback(capsys, argv, needle):
     assert rc == 2 and needle in err and "Traceback" not in err, err
 
 
+def test_cli_says_when_the_rollout_engine_is_what_does_not_fit(capsys):
+    """32B BF16 with the vllm engine on an H100: training fits, but a whole BF16 model per GPU (61 GiB) does
+    not fit the engine's share; the plan says so (not "use more GPUs per replica", which would not help)."""
+    rc = _plan("rl=qwen2_5_32b_dapo_bf16", "+rl.rollout.engine=vllm", "+rl.rollout.gpu_memory_utilization=0.6")
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "is smaller than its weights (61.0 GiB)" in out, out
+    assert "training fits, the rollout engine does not" in out and "the BF16 arm generates in BF16" in out, out
+    assert _plan("rl=qwen2_5_32b_dapo_bf16", "+rl.rollout.engine=vllm", "+rl.rollout.gpu_memory_utilization=0.6",
+                 "--gpu", "h200") == 0
+
+
 def _first_fix(out: str) -> tuple[list[str], int | None]:
     """The overrides and GPU count of the first knob the plan names ('would fit with: ...')."""
     import re
