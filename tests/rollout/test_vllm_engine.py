@@ -227,6 +227,7 @@ def test_stream_sync_equals_dict_sync_and_holds_one_bucket(engines, weights):
     fused = max(sum(sizes[p + f"self_attn.{x}_proj.weight"] for x in "qkv"),
                 sum(sizes[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")))
     bound = v.bucket_bytes + fused + max(sizes.values())
+    print(f"stream sync: at most {max(held)} B held (bound {bound} B, model {sum(sizes.values())} B)")
     assert max(held) <= bound, (max(held), bound, held)
     assert sum(sizes.values()) > 2 * bound
     gc.collect()
