@@ -15,10 +15,14 @@
   included. Known failure (xfail, strict): under PP the calibrator runs on the last stage only, the
   other stages keep nominal bounds and ``calibrated: false``; those stale states are what the run logs
   (``calib/*``, ``clip/*`` from global rank 0) and what a resume at another layout takes (saved rank 0).
+  With the calibrator's state and ``calib/*`` metrics broadcast from the last stage after each update
+  (tried as a patch of the CLI, outside the repository), every assertion below held, exactly; until
+  then the test stops after the PP=2 launch.
 - Old per-rank (format 1) checkpoints refuse a layout change with the keys and the way out.
 
-The first two launch the CLI (a torchrun of 2 ranks, then one process): 46 s and 55 s measured on the
-shared 2-core machine under another suite's load.
+The first two launch the CLI (a torchrun of 2 ranks, then one process), mostly interpreter and megatron
+start-up: 46-75 s and 42-55 s (the second while it fails after its first launch) on the shared 2-core
+machine at load averages of 5-11; the whole file takes 75 s of CPU time.
 """
 
 from __future__ import annotations
@@ -95,12 +99,11 @@ def test_pp2_checkpoint_resumes_at_tp1_with_calibration_state(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     torchrun_cli(full, 2, *MX, "parallel.pipeline_model_parallel_size=2", "trainer.max_steps=3",
                  "trainer.checkpoint_interval=2")
-    cut_back_to(full, part, 2)
-    run_cli(part, *MX, "trainer.max_steps=3", "resume=true")
-
     # every rank of the saved run holds the run's calibration state (any of them may be restored)
     saved = [rank_state(full, 2, r)["calibrator"] for r in (0, 1)]
     assert saved[0] == saved[1], saved
+    cut_back_to(full, part, 2)
+    run_cli(part, *MX, "trainer.max_steps=3", "resume=true")
     want, got = strip_timing(metrics(full)), strip_timing(metrics(part))
     assert [r["step"] for r in got] == [0, 1, 2]
     assert got == want  # PP moves no sum: exact, calib/* and clip/* included
