@@ -334,7 +334,11 @@ def _fp8_keys(msg: str) -> str:
 
 
 def _validate_rollout_engine(cfg: TrainConfig) -> None:
-    """``rollout.engine`` and its vllm keys; FP8 rollout with vllm where vLLM cannot run it."""
+    """``rollout.engine`` and its vllm keys; vllm setups vLLM cannot run anywhere (``same_as_train``, TP > 1).
+
+    Runs on the SLURM submit host, which has no GPU: whether this machine could run vLLM's FP8 is not
+    asked here (the engine checks the hardware when it is built on the compute node).
+    """
     from nemo_fp8rl.rollout import rollout_engine_names
 
     r = cfg.rollout
