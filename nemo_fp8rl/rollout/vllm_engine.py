@@ -614,6 +614,19 @@ class VllmEngine:
         if tags is None or awake:
             self._asleep = False
 
+    def close(self) -> None:
+        """Shut vLLM's engine core down: frees its weights, KV cache and process groups (the engine is unusable after).
+
+        ``EngineCore.shutdown`` also undoes the ``gc.freeze()`` vLLM does at start; without it the memory
+        of a deleted in-process engine is never collected (as ``benchmarks/gpu_check.py`` found).
+        """
+        llm, self.llm = getattr(self, "llm", None), None
+        self._weights_state = "none"
+        if llm is not None:
+            with _keep_torch_rng():
+                llm.llm_engine.engine_core.shutdown()
+        self._dir.cleanup()
+
     # ---------------------------------------------------------------- generation
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator
@@ -625,6 +638,8 @@ class VllmEngine:
         """
         from vllm import SamplingParams as VSP
 
+        if self.llm is None:
+            raise RuntimeError("the rollout engine was closed")
         state = self._weights_state
         if state != "ok":
             raise RuntimeError({

@@ -61,7 +61,10 @@ def engines(weights):
     _TORCH_STATE_KEPT.update(rng=torch.equal(rng, torch.random.get_rng_state()), threads=torch.get_num_threads() == threads,
                              set_num_threads=torch.set_num_threads is set_threads)
     t = get_rollout_engine("torch", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD)
-    return v, t
+    yield v, t
+    v.close()  # frees vLLM before the next module's engine
+    with pytest.raises(RuntimeError, match="closed"):
+        v.generate(RAGGED, SamplingParams(max_new_tokens=2), torch.Generator().manual_seed(0))
 
 
 _TORCH_STATE_KEPT: dict[str, bool] = {}

@@ -60,8 +60,10 @@ def engine():
     from nemo_fp8rl.rollout.vllm_engine import VllmEngine
 
     # a small bucket: the E4M3 tensors and their scales cross bucket boundaries
-    return VllmEngine(CFG, fp8_scheme="vllm_block", eos_id=EOS, pad_id=PAD, dtype=torch.bfloat16, sync_bucket_mb=0.05,
-                      allow_weight_only_fp8=True)
+    e = VllmEngine(CFG, fp8_scheme="vllm_block", eos_id=EOS, pad_id=PAD, dtype=torch.bfloat16, sync_bucket_mb=0.05,
+                   allow_weight_only_fp8=True)
+    yield e
+    e.close()
 
 
 def _read_linears(worker):

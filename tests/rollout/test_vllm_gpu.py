@@ -21,7 +21,6 @@ reason is the engine's own message. The weights are BF16-representable, so vLLM'
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import pytest
@@ -70,10 +69,7 @@ def engine(request):
         pytest.skip(str(err))
     print(f"\n{request.param}: vLLM FP8 kernels {e.fp8_kernels}")
     yield e
-    # free it before the next scheme's engine: EngineCore.shutdown undoes vLLM's gc.freeze and tears down
-    # its process groups (as benchmarks/gpu_check.py does)
-    with contextlib.suppress(Exception):
-        e.llm.llm_engine.engine_core.shutdown()
+    e.close()  # free it before the next scheme's engine
     del e
     gc.collect()
     torch.cuda.empty_cache()
