@@ -551,6 +551,8 @@ class VllmEngine:
         If the sync fails after vLLM received part of it (a bad pair midway, the stream raised), the
         engine holds a mix of old and new weights: :meth:`generate` refuses until a complete sync.
         """
+        if self.llm is None:
+            raise RuntimeError("the rollout engine was closed")
         counter: dict[str, float] = {"bytes": 0.0}
         t0 = time.perf_counter()
         stream = self._sync_stream(weights)  # a bad dict raises here, before anything changes
