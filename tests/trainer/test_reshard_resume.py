@@ -1,8 +1,10 @@
 """A run resumed at another parallel layout continues the run: the real CLI, torchrun, gloo.
 
-- TP=2 -> TP=1 (FP8 off, AdamW): a 2-rank TP=2 run checkpoints after step 2 (``step_2``: steps 0 and 1
-  done); one process resumes it at TP=1 and runs the next step. It logs step index 2 (not 0), and its
-  metrics equal the uninterrupted TP=2 run's step 2 to float32 summation noise: with FP8 off a TP change
+- TP=2 -> TP=1 (FP8 off, AdamW): a 2-rank TP=2 run of 3 steps checkpoints after its second step
+  (``step_2``; steps are numbered from 0) and at the end. A copy cut back to ``step_2`` (what a kill
+  right after that checkpoint leaves) is resumed by one process at TP=1, which runs the third step. It
+  logs step index 2 once (not 0), and its metrics equal the uninterrupted run's step 2 (same launch,
+  so no second TP=2 start-up) to float32 summation noise: with FP8 off a TP change
   only changes the order of the sums inside the split GEMMs (and of the vocab-parallel softmax), so the
   resumed weights and Adam state are the saved ones bit for bit and every metric moves by a few float32
   ulps (measured: at most 2.3e-7 relative for ratios and grad norm; the loss, a sum of terms that cancel
