@@ -351,6 +351,22 @@ def _fp8_linear_report(worker: Any, scheme: str) -> dict[str, Any]:
     return {"kernels": sorted(kernels), "problems": problems}
 
 
+class _ExpectedReloadWarnings(logging.Filter):
+    """Drop vLLM's "<module>: Failed to load weights" warning for modules that never receive synced tensors.
+
+    vLLM 0.32's in-place reload warns, at every sync, for each module with tensors but no checkpoint
+    weight in the sync: rotary embeddings (computed buffers) and a tied LM head (its weight is the
+    embedding). Expected here, printed every RL step otherwise. Any other module's warning (e.g. after
+    a sync that failed midway) still shows.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights" and record.args:
+            name = str(record.args[0])
+            return not (name.endswith("RotaryEmbedding") or name == "ParallelLMHead")
+        return True
+
+
 @contextlib.contextmanager
 def _keep_torch_rng():
     """Undo what vLLM's in-process engine does to torch's process-wide state.
@@ -492,6 +508,9 @@ class VllmEngine:
         if _on_gpu():
             kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
             kw["enable_sleep_mode"] = self.sleep_enabled
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if not any(isinstance(f, _ExpectedReloadWarnings) for f in reload_log.filters):
+            reload_log.addFilter(_ExpectedReloadWarnings())
         with _keep_torch_rng():
             from vllm import LLM
 
