@@ -40,6 +40,7 @@ CFG = ModelConfig(name="qwen3", vocab_size=512, num_layers=4, hidden_size=512, n
                   num_query_groups=2, kv_channels=128, ffn_hidden_size=1024, qk_layernorm=True,
                   untie_embeddings_and_output_weights=True, seq_length=512)
 PROMPTS = [[1, 3 + i, 5 + 2 * i, 7 + 3 * i] for i in range(16)] + [[1] + list(range(10, 150))]
+RERUN_TOL = 1e-2  # same weights, same batch, rerun: BF16 run-to-run noise at most, far below a weight change
 LINEARS = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
            "self_attn.o_proj": ["self_attn.o_proj"],
            "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
@@ -115,7 +116,8 @@ def test_sync_changes_tokens_and_reverting_restores_them(engine, weights):
     engine.update_weights(iter(weights["a"].items()))
     again = engine.generate(PROMPTS, params, torch.Generator().manual_seed(1))
     assert again.responses() == before.responses()
-    assert torch.equal(again.rollout_logp, before.rollout_logp)
+    # the same batch again: GPU kernels may reduce in another order from run to run (not bitwise)
+    assert float((again.rollout_logp - before.rollout_logp).abs().max()) < RERUN_TOL
 
 
 def _read_linears(worker):
@@ -183,7 +185,7 @@ def test_sleep_frees_memory_and_the_next_sync_wakes_the_engine(engine, weights):
     engine.update_weights(iter(weights["a"].items()))  # wakes weights, syncs, wakes the KV cache
     again = engine.generate(PROMPTS, params, torch.Generator().manual_seed(2))
     assert again.responses() == before.responses()
-    assert torch.equal(again.rollout_logp, before.rollout_logp)
+    assert float((again.rollout_logp - before.rollout_logp).abs().max()) < RERUN_TOL
     # explicit wake_up after sleep: memory back, weights still to be synced
     assert engine.sleep() is True and engine.wake_up() is True
     with pytest.raises(RuntimeError, match="put to sleep"):
