@@ -334,7 +334,8 @@ def _fp8_keys(msg: str) -> str:
 
 
 def _validate_rollout_engine(cfg: TrainConfig) -> None:
-    """``rollout.engine`` and its vllm keys; vllm setups vLLM cannot run anywhere (``same_as_train``, TP > 1).
+    """``rollout.engine`` and its vllm keys; vllm setups vLLM cannot run anywhere (``same_as_train``, TP > 1,
+    ``vllm_block`` on a model whose fused linears are not in whole 128-row blocks).
 
     Runs on the SLURM submit host, which has no GPU: whether this machine could run vLLM's FP8 is not
     asked here (the engine checks the hardware when it is built on the compute node).
@@ -355,7 +356,7 @@ def _validate_rollout_engine(cfg: TrainConfig) -> None:
         fp8_on = cfg.fp8.recipe not in (None, "off") and r.fp8.scheme != "off"
         try:
             check_vllm_supported(fp8_scheme=r.fp8.scheme if fp8_on else "off",
-                                 tensor_parallel_size=r.tensor_parallel_size, installed=False)
+                                 tensor_parallel_size=r.tensor_parallel_size, installed=False, model_cfg=cfg.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -138,7 +138,9 @@ def _scheme_name(fp8_scheme: Any) -> str:
     return fp8_scheme if isinstance(fp8_scheme, str) else str(getattr(fp8_scheme, "name", type(fp8_scheme).__name__))
 
 
-def check_vllm_supported(*, fp8_scheme: Any = "off", tensor_parallel_size: int = 1, installed: bool = True) -> None:
+def check_vllm_supported(
+    *, fp8_scheme: Any = "off", tensor_parallel_size: int = 1, installed: bool = True, model_cfg: Any = None
+) -> None:
     """Raise ``ValueError`` (naming the config key and the fix) for setups the vllm engine cannot run anywhere.
 
     Runs at config validation (on the submit host: no GPU there, so nothing here looks at the local
@@ -147,7 +149,8 @@ def check_vllm_supported(*, fp8_scheme: Any = "off", tensor_parallel_size: int =
     (:func:`check_vllm_fp8_hardware`). Refused: vLLM not installed (with ``installed``); a rollout FP8
     scheme vLLM has no quantization for (anything but ``off``, ``vllm_block``, ``vllm_w8a8``, e.g.
     ``same_as_train``); ``rollout.tensor_parallel_size`` other than 1 (weights are streamed to an engine in
-    this process).
+    this process); with ``model_cfg``, a model whose fused linears are not in whole 128-row blocks for
+    ``vllm_block`` (:func:`_check_block_shape`).
     """
     if installed and not vllm_available():
         raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
@@ -163,6 +166,12 @@ def check_vllm_supported(*, fp8_scheme: Any = "off", tensor_parallel_size: int =
             f"rollout.tensor_parallel_size={tensor_parallel_size}: the vllm engine streams weights to an engine "
             "in this process and supports 1 only so far; set rollout.tensor_parallel_size=1"
         )
+    if name == "vllm_block" and model_cfg is not None:
+        try:
+            shape = ModelShape.from_config(model_cfg)
+        except (ValueError, TypeError):
+            return  # the model's own validation reports it
+        _check_block_shape(shape)
 
 
 def _cpu_fp8_features() -> str:

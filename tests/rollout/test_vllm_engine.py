@@ -362,6 +362,11 @@ def test_config_validation_accepts_fp8_rollout_with_vllm_on_a_host_without_gpu(m
     cfg.rollout.fp8.scheme = "same_as_train"
     with pytest.raises(ConfigError, match="rollout.fp8.scheme=same_as_train.*rollout.engine=torch"):
         validate(cfg)
+    cfg.rollout.fp8.scheme, cfg.model.num_query_groups = "vllm_block", 2  # K/V: 2 x 32 = 64 rows
+    with pytest.raises(ConfigError, match="rollout.fp8.scheme=vllm_block.*multiple of 128 rows"):
+        validate(cfg)
+    cfg.rollout.fp8.scheme = "vllm_w8a8"  # per-tensor: no block constraint
+    validate(cfg)
     cfg.fp8.recipe = None  # the bf16 arm forces the rollout scheme off
     validate(cfg)
     cfg.rollout.fp8.scheme = "vllm_block"
