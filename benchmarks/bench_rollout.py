@@ -6,11 +6,19 @@ table prints generated tokens per second and the vLLM/torch ratio. EOS is ignore
 exactly the asked length (tokens/s counts response tokens only). Also: the seconds of one weight sync
 per million parameters (``update_weights``, the call the trainer makes before every rollout).
 
-    python benchmarks/bench_rollout.py [--batches 16,64] [--lengths 32,128] [--repeats 2] [--model tiny]
+    python benchmarks/bench_rollout.py [--batches 16,64] [--lengths 32,128] [--repeats 3] [--model tiny]
+                                       [--threads N]
 
 ``--model tiny``: hidden 128, 2 layers, 4 heads (head dim 32), vocabulary 512; ``--model small``: hidden
 512, 8 layers, GQA 8/2, vocabulary 4096. Numbers depend on the machine and on what else runs on it:
-quote them with the machine.
+quote them with the machine (the first printed line names it). docs/results.md has numbers.
+
+Each cell reports the fastest of ``--repeats`` timed runs after one warm-up run per engine: other jobs on
+a shared machine only ever slow a run down, so the minimum is the least disturbed estimate (``timeit``'s
+reasoning); the runs alternate between the engines so both see the same load. ``--threads`` sets torch's
+intra-op thread count for both engines (vLLM's CPU kernels run on torch's OpenMP pool; the vllm engine
+restores the count after every call). On a 2-core machine shared with another job, 2 threads were up to
+40x slower and erratic (each OpenMP barrier waits for a preempted thread): compare at 1 thread there.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for both engines (default: torch's)")
     args = ap.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM's first import: only the table on stdout
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -476,18 +477,20 @@ def _qwen3_8b_config(layers: int, seq_length: int):
     return ModelConfig(**preset)
 
 
-def _linear_quant_methods(worker) -> list[str]:
-    """Run on vLLM's worker: the quant-method classes of the model's linears (shows FP8 is really in use)."""
+def _quant_methods(worker) -> list[str]:
+    """Run on vLLM's worker: the quant-method classes in the model (shows which linears really run FP8)."""
     model = worker.model_runner.get_model()
     return sorted({type(m.quant_method).__name__ for m in model.modules() if getattr(m, "quant_method", None) is not None})
 
 
 def _vllm_rollout_child(res: dict, save, dry: bool, deadline: float, layers: int, repeats: int) -> None:
     """Generation throughput of vLLM, BF16 vs FP8, same shapes, dummy weights, arms in one process."""
-    import json as _json
-    import os
+    from nemo_fp8rl.rollout import vllm_engine
 
-    for k, v in _VLLM_CHILD_ENV.items():
+    # the vllm engine's FP8 kernel settings (DeepGEMM without UE8M0 scales, no FlashInfer block GEMM), so
+    # the arms time the kernels `rollout.engine=vllm` runs
+    fp8_env = getattr(vllm_engine, "_VLLM_FP8_ENV", {})
+    for k, v in {**_VLLM_CHILD_ENV, **fp8_env}.items():
         os.environ.setdefault(k, v)
     import vllm
     from vllm import LLM
@@ -508,29 +511,34 @@ def _vllm_rollout_child(res: dict, save, dry: bool, deadline: float, layers: int
         prefill = {"batch": 32, "prompt": 2048}
         cfg = _qwen3_8b_config(layers, seq_length=prefill["prompt"] + 64)
         dtype = "bfloat16"
-    # vllm_w8a8 = per-tensor weight scale + dynamic per-token activations: vLLM's online "fp8_per_tensor"
-    # (before the online shorthands existed, quantization="fp8" did the same). vllm_block = the
-    # checkpoint format our FP8 sync sends (E4M3 weights + 128x128 weight_scale_inv, dynamic 1x128
-    # activations), declared in config.json as a block-FP8 checkpoint; dummy loading fills it.
+    # the vllm engine's two FP8 schemes, built as it builds them: vllm_w8a8 = per-tensor weight scale +
+    # dynamic per-token activations, vLLM's online "fp8_per_tensor" (before the online shorthands existed,
+    # quantization="fp8" did the same); vllm_block = the checkpoint format our FP8 sync sends (E4M3
+    # weights + 128x128 weight_scale_inv, dynamic 1x128 activations), declared in config.json as a
+    # block-FP8 checkpoint, which dummy loading fills
     w8a8 = "fp8_per_tensor" if "fp8_per_tensor" in QUANTIZATION_METHODS else "fp8"
-    arms = [("bf16" if not dry else "float32", {}, None),
-            ("fp8_w8a8", {"quantization": w8a8}, None),
-            ("fp8_block", {}, {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})]
+    block_cfg = getattr(vllm_engine, "BLOCK_FP8_QUANTIZATION_CONFIG",
+                        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    kernel_report = getattr(vllm_engine, "_fp8_linear_report", None)
+    arms = [("bf16" if not dry else "float32", {}, None, None),
+            ("fp8_w8a8", {"quantization": w8a8}, None, "vllm_w8a8"),
+            ("fp8_block", {}, dict(block_cfg), "vllm_block")]
     res.update(vllm=vllm.__version__, shape={k: getattr(cfg, k) for k in (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
         "vocab_size")}, dtype=dtype, enforce_eager=True, weights="dummy (load_format=dummy)",
         decode=decode | {"what": "generated tokens/s: batch prompts of `prompt` random ids, `new` tokens each, EOS ignored"},
         prefill=prefill | {"what": "prompt tokens/s: batch prompts of `prompt` random ids, 1 new token"},
-        repeats=repeats, w8a8_quantization=w8a8, arms={}, skipped={}, errors={})
+        repeats=repeats, w8a8_quantization=w8a8, fp8_env={k: os.environ.get(k) for k in fp8_env}, arms={},
+        skipped={}, errors={})
     g = torch.Generator().manual_seed(0)
     dec_prompts = [{"prompt_token_ids": torch.randint(1, cfg.vocab_size, (decode["prompt"],), generator=g).tolist()}
                    for _ in range(decode["batch"])]
     pre_prompts = [{"prompt_token_ids": torch.randint(1, cfg.vocab_size, (prefill["prompt"],), generator=g).tolist()}
                    for _ in range(prefill["batch"])]
     arm_times: list[float] = []
-    for name, kw, qcfg in arms:
+    for name, kw, qcfg, scheme in arms:
         if dry and name != "float32":
-            res["skipped"][name] = "dry run: vLLM's FP8 linears need a GPU (or an AVX-512 CPU) "
+            res["skipped"][name] = "dry run: the FP8 arms run on the GPU"
             continue
         est = max(arm_times, default=45.0)
         if deadline - time.time() < est:
@@ -543,7 +551,7 @@ def _vllm_rollout_child(res: dict, save, dry: bool, deadline: float, layers: int
             config = model_config_to_hf_config(cfg, dtype=dtype)
             if qcfg:
                 config["quantization_config"] = qcfg
-            (Path(tmp.name) / "config.json").write_text(_json.dumps(config))
+            (Path(tmp.name) / "config.json").write_text(json.dumps(config))
             t0 = time.perf_counter()
             llm = LLM(model=tmp.name, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, enforce_eager=True,
                       max_model_len=cfg.seq_length, max_num_seqs=max(decode["batch"], prefill["batch"]),
@@ -552,9 +560,13 @@ def _vllm_rollout_child(res: dict, save, dry: bool, deadline: float, layers: int
                       **({} if dry else {"gpu_memory_utilization": 0.3}), **kw)
             arm = {"build_s": round(time.perf_counter() - t0, 1)}
             try:
-                arm["linear_methods"] = llm.collective_rpc(_linear_quant_methods)[0]
+                arm["quant_methods"] = llm.collective_rpc(_quant_methods)[0]
+                if scheme and kernel_report is not None:  # the engine's check that the kernels compute the scheme
+                    report = llm.collective_rpc(kernel_report, args=(scheme,))[0]
+                    arm["fp8_kernels"], arm["fp8_problems"] = report["kernels"], report["problems"][:8]
             except Exception as e:  # noqa: BLE001  (informational only)
-                arm["linear_methods"] = f"unknown ({type(e).__name__})"
+                arm.setdefault("quant_methods", f"unknown ({type(e).__name__})")
+                arm["fp8_kernels"] = f"unknown ({type(e).__name__}: {e})"[:300]
 
             def timed(prompts, sp, llm=llm):
                 t = time.perf_counter()
@@ -563,7 +575,9 @@ def _vllm_rollout_child(res: dict, save, dry: bool, deadline: float, layers: int
 
             dec_sp = VSP(temperature=1.0, max_tokens=decode["new"], ignore_eos=True, detokenize=False)
             pre_sp = VSP(temperature=1.0, max_tokens=1, ignore_eos=True, detokenize=False)
-            timed(dec_prompts[:8], VSP(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False))  # warm-up
+            # warm-up at the timed batch shapes (prefill chunks and decode batch: kernels JIT-compile and
+            # autotune per shape on first use), a few tokens only
+            timed(dec_prompts, VSP(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False))
             dec, pre = [], []
             for _ in range(repeats):
                 s, outs = timed(dec_prompts, dec_sp)
@@ -609,8 +623,6 @@ def _vllm_parity_child(res: dict, save, dry: bool, deadline: float) -> None:
     of FP8's own effect (mean |emulated scheme logp - emulated off logp|) for scale. vLLM computes in
     BF16 on GPU, so the ``off`` row is the BF16-vs-float32 floor the FP8 rows are read against.
     """
-    import os
-
     for k, v in _VLLM_CHILD_ENV.items():
         os.environ.setdefault(k, v)
     import vllm
@@ -630,7 +642,8 @@ def _vllm_parity_child(res: dict, save, dry: bool, deadline: float) -> None:
                           seq_length=128)
         new, dev, extra = 32, "cuda", {"gpu_memory_utilization": 0.25}
     eos, pad = 2, 0
-    sd = random_weights(cfg, seed=0, logit_scale=4.0)
+    # BF16-representable weights: vLLM's BF16 copy (what vllm_w8a8 quantizes) equals what our emulation quantizes
+    sd = {k: v.bfloat16().float() for k, v in random_weights(cfg, seed=0, logit_scale=4.0).items()}
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, cfg.vocab_size, (int(n),), generator=g).tolist() for n in (5, 9, 16, 24, 7, 12, 20, 31)]
     params = SamplingParams(temperature=0.0, max_new_tokens=new, stop_on_eos=False)
@@ -638,8 +651,13 @@ def _vllm_parity_child(res: dict, save, dry: bool, deadline: float) -> None:
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
         "vocab_size")}, prompts=len(prompts), new_tokens=new, reference=f"torch engine, float32 on {dev}",
         schemes={}, errors={})
-    ref_off = get_rollout_engine("torch", cfg, fp8_scheme="off", eos_id=eos, pad_id=pad, device=dev, dtype=torch.float32)
-    ref_off.update_weights(sd)
+
+    def torch_engine(scheme, dtype=torch.float32):
+        e = get_rollout_engine("torch", cfg, fp8_scheme=scheme, eos_id=eos, pad_id=pad, device=dev, dtype=dtype)
+        e.update_weights(sd)
+        return e
+
+    ref_off = torch_engine("off")
 
     def teacher_forced(eng, tokens):
         logits = eng.forward(tokens)[:, :-1].double()
@@ -661,14 +679,13 @@ def _vllm_parity_child(res: dict, save, dry: bool, deadline: float) -> None:
             t0 = time.perf_counter()
             eng = get_rollout_engine("vllm", cfg, fp8_scheme=scheme, eos_id=eos, pad_id=pad, **extra)
             row = {"build_s": round(time.perf_counter() - t0, 1)}
+            if getattr(eng, "fp8_kernels", None):
+                row["fp8_kernels"] = list(eng.fp8_kernels)
             eng.update_weights(sd)
             row["sync_s"] = round(float(getattr(eng, "last_sync_seconds", float("nan"))), 3)
             out = eng.generate(prompts, params, torch.Generator().manual_seed(0))
             out.validate()
-            emu = ref_off if scheme == "off" else get_rollout_engine(
-                "torch", cfg, fp8_scheme=scheme, eos_id=eos, pad_id=pad, device=dev, dtype=torch.float32)
-            if emu is not ref_off:
-                emu.update_weights(sd)
+            emu = ref_off if scheme == "off" else torch_engine(scheme)
             lp, argmax = teacher_forced(emu, out.tokens)
             m = out.mask[:, 1:].bool()
             d = (out.rollout_logp[:, 1:].double() - lp)[m].abs()
@@ -678,6 +695,10 @@ def _vllm_parity_child(res: dict, save, dry: bool, deadline: float) -> None:
             if scheme != "off":
                 lp_off, _ = teacher_forced(ref_off, out.tokens)
                 row["fp8_effect_mean"] = float((lp - lp_off)[m].abs().mean())
+            if not dry:  # the same scheme emulated in BF16 (vLLM's compute dtype) on the GPU
+                lp16, _ = teacher_forced(torch_engine(scheme, torch.bfloat16), out.tokens)
+                d16 = (out.rollout_logp[:, 1:].double() - lp16)[m].abs()
+                row.update(bf16_emulation_max_abs_diff=float(d16.max()), bf16_emulation_mean_abs_diff=float(d16.mean()))
             res["schemes"][scheme] = row
         except Exception as e:  # noqa: BLE001  (the vllm engine's FP8 path may not exist yet: record, go on)
             res["schemes"][scheme] = {"error": f"{type(e).__name__}: {e}"[:2000]}
@@ -685,10 +706,15 @@ def _vllm_parity_child(res: dict, save, dry: bool, deadline: float) -> None:
             res.setdefault("traceback", "")
             res["traceback"] += f"--- {scheme}\n{traceback.format_exc()[-4000:]}\n"
         finally:
-            if eng is not None and getattr(eng, "llm", None) is not None:
+            if eng is not None and callable(getattr(eng, "close", None)):
+                eng.close()  # frees vLLM's memory before the next scheme's engine
+            elif eng is not None and getattr(eng, "llm", None) is not None:
                 llm, eng.llm = eng.llm, None
                 _close_llm(llm)
             eng = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             scheme_times.append(time.monotonic() - t_s)
             save()
     if res["errors"]:
@@ -851,26 +877,33 @@ def _write_summary(out: Path, title: str, done: list, pending: list) -> None:
                        f"{vr['decode']['batch']} x {vr['decode']['new']} new tokens, prefill: "
                        f"{vr['prefill']['batch']} x {vr['prefill']['prompt']} prompt tokens; fastest of "
                        f"{vr.get('repeats')}):"), "",
-                  "| arm | decode tok/s | x high precision | prefill tok/s | x high precision | linear methods |",
+                  "| arm | decode tok/s | x high precision | prefill tok/s | x high precision | quant methods (FP8 kernels) |",
                   "|---|---|---|---|---|---|"]
         rel = vr.get("vs_high_precision", {})
         for k, a in vr["arms"].items():
             r = rel.get(k, {})
             lines.append(f"| {k} | {a['decode_tokens_per_s']:.0f} | {r.get('decode', float('nan')):.2f} | "
                          f"{a['prefill_tokens_per_s']:.0f} | {r.get('prefill', float('nan')):.2f} | "
-                         f"{', '.join(a['linear_methods']) if isinstance(a['linear_methods'], list) else a['linear_methods']} |")
+                         f"{', '.join(a['quant_methods']) if isinstance(a['quant_methods'], list) else a['quant_methods']}"
+                         + (f" ({', '.join(a['fp8_kernels']) if isinstance(a['fp8_kernels'], list) else a['fp8_kernels']})"
+                            if "fp8_kernels" in a else "") + " |")
     vp = next((r for n, _, r in done if n == "vllm_parity" and r.get("schemes")), None)
     if vp:
         lines += ["", (f"vLLM log-probs vs our emulation ({vp.get('reference')}), greedy, {vp.get('prompts')} "
                        f"prompts x {vp.get('new_tokens')} tokens, same weights and tokens:"), "",
-                  "| rollout.fp8.scheme | tokens | max abs diff | mean abs diff | argmax agrees | FP8 effect (mean) |",
-                  "|---|---|---|---|---|---|"]
+                  ("| rollout.fp8.scheme | tokens | max abs diff | mean abs diff | BF16 emulation: max | mean | "
+                   "argmax agrees | FP8 effect (mean) | vLLM FP8 kernels |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
+        nan = float("nan")
         for k, r in vp["schemes"].items():
             if "max_abs_diff" in r:
                 lines.append(f"| {k} | {r['tokens']} | {r['max_abs_diff']:.3g} | {r['mean_abs_diff']:.3g} | "
-                             f"{r['argmax_agree']:.3f} | {r.get('fp8_effect_mean', float('nan')):.3g} |")
+                             f"{r.get('bf16_emulation_max_abs_diff', nan):.3g} | "
+                             f"{r.get('bf16_emulation_mean_abs_diff', nan):.3g} | {r['argmax_agree']:.3f} | "
+                             f"{r.get('fp8_effect_mean', nan):.3g} | {', '.join(r.get('fp8_kernels', []))} |")
             else:
-                lines.append(f"| {k} | {str(r.get('error') or r.get('skipped'))[:120].replace('|', '/')} | | | | |")
+                lines.append(f"| {k} | {str(r.get('error') or r.get('skipped'))[:120].replace('|', '/')} "
+                             "| | | | | | | |")
     lines.append("")
     for name, status, res in done:
         body = json.dumps({k: v for k, v in res.items() if k not in ("traceback", "records")}, indent=1,

@@ -35,7 +35,7 @@ def test_gpu_check_dry_run(tmp_path):
         return
     assert rollout["status"] == "ok", rollout
     assert rollout["arms"]["float32"]["decode_tokens_per_s"] > 0 and rollout["arms"]["float32"]["prefill_tokens_per_s"] > 0
-    assert "UnquantizedLinearMethod" in rollout["arms"]["float32"]["linear_methods"]
+    assert "UnquantizedLinearMethod" in rollout["arms"]["float32"]["quant_methods"]
     assert set(rollout["skipped"]) == {"fp8_w8a8", "fp8_block"}
     assert vparity["status"] == "ok", vparity
     off = vparity["schemes"]["off"]
