@@ -3,7 +3,7 @@
 #   benchmarks/gpu_check.sh [OUT_DIR=gpu_results] [--dry-run]
 # 1. pytest -m gpu (TE parity tests, TE actor tests; at most GPU_CHECK_PYTEST_S, default 150 s),
 # 1b. pytest -m gpu tests/rollout/test_vllm_gpu.py when it exists (vLLM FP8 rollout vs our emulation), in its
-#     own run (at most GPU_CHECK_VLLM_PYTEST_S, default 90 s) so a slow vLLM start cannot cut the TE results,
+#     own run (at most GPU_CHECK_VLLM_PYTEST_S, default 120 s) so a slow vLLM start cannot cut the TE results,
 # 2. benchmarks/gpu_check.py with the time left (environment, TE vs emulation parity, 8B-shaped BF16 vs FP8
 # train-step throughput, shadow-forward cost, vLLM BF16 vs FP8 generation throughput, vLLM FP8 log-probs vs
 # our emulation, tiny GRPO on GPU); it skips what would not fit the deadline.
@@ -27,7 +27,7 @@ if [ -z "$DRY" ]; then
     tests/fp8/test_te_parity_gpu.py tests/models/test_te_gpu.py > "$OUT/pytest_gpu.txt" 2>&1
   echo "pytest -m gpu exit code $? after $(( $(date +%s) - start ))s" >> "$OUT/pytest_gpu.txt"
   if [ -f tests/rollout/test_vllm_gpu.py ]; then
-    timeout -k 10 "${GPU_CHECK_VLLM_PYTEST_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+    timeout -k 10 "${GPU_CHECK_VLLM_PYTEST_S:-120}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
       tests/rollout/test_vllm_gpu.py > "$OUT/pytest_vllm_gpu.txt" 2>&1
     echo "pytest -m gpu (vLLM) exit code $? after $(( $(date +%s) - start ))s" >> "$OUT/pytest_vllm_gpu.txt"
   fi
