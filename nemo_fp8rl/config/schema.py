@@ -79,10 +79,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """vllm: fraction of GPU memory the engine may take for weights and KV cache (GPU only; ignored on
     CPU, where VLLM_CPU_KVCACHE_SPACE sets the KV cache in GiB)."""
-    sleep_level: int = 2
-    """vllm on GPU, colocated with training: what the engine frees between its rollout and the next weight
-    sync (vLLM sleep mode): 0 keeps its memory; 1 moves its weights to host memory and frees the KV cache;
-    2 frees weights and KV cache (the next sync rewrites every weight anyway). No-op on CPU."""
+    enable_sleep: bool = True
+    """vllm on GPU, colocated with training: between its rollout and the next weight sync the engine frees
+    its weights and KV cache (vLLM sleep mode, level 2: discarded, not offloaded, since the next sync
+    rewrites every weight), leaving training the whole GPU. false keeps the engine's memory reserved
+    during training. No-op on CPU."""
     split_prompts: Optional[bool] = None
     """Split each data-parallel rank's rollout batch over its model-parallel (TP x PP) ranks: every rank
     generates its share with its own whole-model engine and the shares are gathered, so the replica's
@@ -410,7 +411,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.rollout.max_new_tokens < 1:
         raise ConfigError("rollout.max_new_tokens must be >= 1")
     _validate_rollout_engine(cfg)
-    _choice("rollout.sleep_level", cfg.rollout.sleep_level, [0, 1, 2])
+    if not isinstance(cfg.rollout.enable_sleep, bool):
+        raise ConfigError(f"rollout.enable_sleep={cfg.rollout.enable_sleep!r} must be true or false")
 
     _choice("calibration.upper_mode", c.upper_mode, ["balance", "quantile", "proportional", "fixed"])
     if c.interval < 1:

@@ -377,7 +377,7 @@ class RolloutPlan:
     sequences: int  # the rank's rollout batch: prompts_per_step / DP x group_size
     scheme: str
     sleeps: bool = False
-    """The engine frees its GPU memory while training runs (vLLM sleep mode, ``rollout.sleep_level`` > 0):
+    """The engine frees its GPU memory while training runs (vLLM sleep mode, ``rollout.enable_sleep``):
     its reservation then competes only with the training state that stays resident during generation."""
 
     @property
@@ -604,7 +604,7 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
         r_tp, r_pp = (cfg.rollout.tensor_parallel_size, 1) if vllm else (tp, pp)
         rollout = rollout_plan(shape, r_tp, r_pp, cfg.model.seq_length,
                                a.prompts_per_step // options.dp * a.group_size, scheme, int(share * cap))
-        if vllm and getattr(cfg.rollout, "sleep_level", 0) > 0:
+        if vllm and cfg.rollout.enable_sleep:
             rollout = dataclasses.replace(rollout, sleeps=True)
     return MemoryPlan(
         recipe=recipe_name, optimizer=optimizer, stage=stage, components=comps, recompute_activations=rec,

@@ -410,8 +410,8 @@ class VllmEngine:
         tensor_parallel_size: ``rollout.tensor_parallel_size`` (1).
         gpu_memory_utilization: ``rollout.gpu_memory_utilization`` (GPU only).
         max_num_seqs: most sequences vLLM batches at once.
-        enable_sleep: build with vLLM's sleep mode so :meth:`sleep` frees the GPU memory (GPU only; None =
-            on where there is a GPU).
+        enable_sleep: ``rollout.enable_sleep``: build with vLLM's sleep mode so :meth:`sleep` frees the GPU
+            memory (GPU only; None = on where there is a GPU).
         allow_weight_only_fp8: tests only: build the FP8 weight format even where vLLM runs it weight-only
             (a CPU with AMX: FP8 weights, BF16 activations), so a CPU test can check what a sync loads into
             vLLM. Generation then does not compute the scheme (:attr:`fp8_problems` says why).
@@ -718,6 +718,7 @@ class VllmEngine:
         return RolloutBatch.from_padded(tokens, lens, resp, logp, finished)
 
 
-@register_rollout_engine("vllm", options=("sync_bucket_mb", "tensor_parallel_size", "gpu_memory_utilization"))
+@register_rollout_engine(
+    "vllm", options=("sync_bucket_mb", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep"))
 def _make_vllm_engine(model_cfg: Any, **kw: Any) -> VllmEngine:
     return VllmEngine(model_cfg, **kw)

@@ -338,8 +338,12 @@ class RLTrainer:
         # 1-3: rollout, rewards, advantages
         with _timed(timings, "rollout"):
             with _timed(timings, "weight_sync"):  # part of timing/rollout
-                self.engine.update_weights(self.actor.export_weights())
+                # streamed layer by layer (TP-gathered, PP-broadcast): never a full copy of the model per rank
+                self.engine.update_weights(self.actor.iter_weights())
             batch, scores, rewards, adv, ds_metrics = self._rollout()
+            sleep = getattr(self.engine, "sleep", None)
+            if callable(sleep):  # a colocated GPU engine frees its memory for training (the next sync wakes it)
+                sleep()
         tokens, mask = batch.tokens, batch.mask.float()
         B = tokens.shape[0]
         token_adv = adv.view(-1, 1).float() * mask
@@ -395,6 +399,17 @@ class RLTrainer:
         calib_metrics = {}
         if calibrating:
             calib_metrics = self.calibrator.update(step, group=self.actor.dp_group)
+            if self.actor.pp_size > 1:
+                # Only the last pipeline stage sees log-probs, so only its calibrator observed tokens: every
+                # stage takes its state and metrics (rank 0 logs them; any rank's state may be checkpointed).
+                from nemo_fp8rl.models.parallel import comm_device
+
+                payload = [(self.calibrator.state_dict(),
+                            {k: (float(v), r) for k, (v, r) in calib_metrics.items()})]
+                dist.broadcast_object_list(payload, src=self.actor._pp_last_global, group=self.actor.pp_group,
+                                           device=comm_device())
+                self.calibrator.load_state_dict(payload[0][0])
+                calib_metrics = {k: make_metric(torch.tensor(v), r) for k, (v, r) in payload[0][1].items()}
 
         # 7: metrics
         # "sum" metrics are sums over the microbatches of one minibatch (shares of the minibatch

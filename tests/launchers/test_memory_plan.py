@@ -324,7 +324,7 @@ def test_rollout_engine_share():
 def test_vllm_engine_reserves_its_gpu_share_and_sleeps_during_training():
     """``rollout.engine=vllm`` on GPU: the engine reserves ``rollout.gpu_memory_utilization`` of each GPU and
     holds the whole model per ``rollout.tensor_parallel_size`` GPUs (not sharded like training). With
-    ``rollout.sleep_level`` > 0 its memory is free while training runs, and at generation time it sits next
+    ``rollout.enable_sleep`` its memory is free while training runs, and at generation time it sits next
     to the training state that stays resident (all but activations and logits)."""
     import dataclasses
 
@@ -345,12 +345,12 @@ def test_vllm_engine_reserves_its_gpu_share_and_sleeps_during_training():
     assert plan.resident == resident and plan.generation_fits == (resident + r.reserved <= cap - head)
     assert plan.fits
 
-    cfg.rollout.sleep_level = 0  # keeps its memory: training gets what is left
+    cfg.rollout.enable_sleep = False  # keeps its memory: training gets what is left
     awake = plan_arm(cfg, options, recipe_name="blockwise", optimizer="distributed")
     assert not awake.rollout.sleeps and awake.available == cap - head - r.reserved
 
     # a share that leaves no room next to the resident training state: refused, the knob named
-    cfg.rollout.sleep_level = 2
+    cfg.rollout.enable_sleep = True
     cfg.rollout.gpu_memory_utilization = 0.9
     big = plan_arm(cfg, options, recipe_name="blockwise", optimizer="distributed")
     assert big.train_total <= big.available and not big.generation_fits and not big.fits

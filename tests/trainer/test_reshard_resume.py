@@ -14,12 +14,9 @@
   counters and stability monitor of the resumed run's next checkpoint equal the uninterrupted run's.
 - PP=2 -> TP=1 with emulated MXFP8 and Calibrated Clipping: a PP change moves no sum (same GEMMs on
   fewer ranks), so the resumed step must equal the uninterrupted PP=2 run's exactly, calibration state
-  included. Known failure (xfail, strict): under PP the calibrator runs on the last stage only, the
-  other stages keep nominal bounds and ``calibrated: false``; those stale states are what the run logs
-  (``calib/*``, ``clip/*`` from global rank 0) and what a resume at another layout takes (saved rank 0).
-  With the calibrator's state and ``calib/*`` metrics broadcast from the last stage after each update
-  (tried as a patch of the CLI, outside the repository), every assertion below held, exactly; until
-  then the test stops after the PP=2 launch.
+  included. Under PP only the last stage's calibrator observes tokens; the trainer broadcasts its state
+  and ``calib/*`` metrics to the other stages after each update, so every saved rank holds the run's
+  calibration state (before that fix, rank 0 logged and saved nominal bounds with ``calibrated: false``).
 - Old per-rank (format 1) checkpoints refuse a layout change with the keys and the way out.
 
 The first two launch the CLI (a torchrun of 2 ranks, then one process), mostly interpreter and megatron
@@ -92,11 +89,6 @@ MX = ["fp8=mxfp8", "calibration=paper", "calibration.interval=2", "calibration.m
       "model.num_layers=2", "algorithm.old_logprobs=rollout"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rl_trainer: under PP only the last stage's CalibratedClipping sees tokens; the other stages keep "
-    "nominal bounds and calibrated=false, log them (global rank 0 logs calib/* and clip/*) and save them, "
-    "and a resume at another layout restores saved rank 0's. Fix in rl_trainer.py: broadcast the "
-    "calibrator state from the last pipeline stage after CalibratedClipping.update"))
 def test_pp2_checkpoint_resumes_at_tp1_with_calibration_state(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     torchrun_cli(full, 2, *MX, "parallel.pipeline_model_parallel_size=2", "trainer.max_steps=3",
