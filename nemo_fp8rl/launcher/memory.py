@@ -374,7 +374,7 @@ class RolloutPlan:
     reserved: int  # share x capacity
     weights: int
     kv_per_sequence: int
-    sequences: int  # the rank's rollout batch: prompts_per_step / DP x group_size
+    sequences: int  # the rank's rollout batch: prompts_per_step / DP x group_size (/ TP x PP when split)
     scheme: str
     sleeps: bool = False
     """The engine frees its GPU memory while training runs (vLLM sleep mode, ``rollout.enable_sleep``):
@@ -602,8 +602,11 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
         # our vllm engine: a whole model per rank, split over rollout.tensor_parallel_size GPUs (no PP);
         # a what-if engine for another config (--rollout-share): sharded like training
         r_tp, r_pp = (cfg.rollout.tensor_parallel_size, 1) if vllm else (tp, pp)
-        rollout = rollout_plan(shape, r_tp, r_pp, cfg.model.seq_length,
-                               a.prompts_per_step // options.dp * a.group_size, scheme, int(share * cap))
+        sequences = a.prompts_per_step // options.dp * a.group_size
+        split = cfg.rollout.split_prompts if cfg.rollout.split_prompts is not None else cfg.rollout.engine != "torch"
+        if split:  # the replica's TP x PP ranks each generate their share (rollout.split_prompts)
+            sequences = -(-sequences // (tp * pp))
+        rollout = rollout_plan(shape, r_tp, r_pp, cfg.model.seq_length, sequences, scheme, int(share * cap))
         if vllm and cfg.rollout.enable_sleep:
             rollout = dataclasses.replace(rollout, sleeps=True)
     return MemoryPlan(
