@@ -221,6 +221,10 @@ def main() -> None:
                 target = figs / f"long_e5m2_lr2e-4_seed{seed}.png"
                 figure(dirs, names, target)
                 parts += [f"![e5m2 lr 2e-4, seed {seed}](figures/{target.name})", ""]
+    # measured by benchmarks/bench_rollout.py, kept in its own file so a re-summarized study keeps it
+    rollout = here / "rollout_results.md"
+    if rollout.is_file():
+        parts += [rollout.read_text().strip(), ""]
     gpu = here / "gpu_results.md"
     parts += ["## GPU check", "",
               gpu.read_text().strip() if gpu.is_file() else

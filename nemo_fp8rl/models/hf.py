@@ -487,8 +487,11 @@ def _bridge_usable(actor, config_json: dict) -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
         return False, f"megatron-bridge not importable ({type(e).__name__})"
     if not actor.use_te:
-        # Its mappings name megatron's Transformer Engine parameters (norms fused into the linears).
-        return False, "the model uses the local (CPU/emulated) layer spec, megatron-bridge maps the TE spec"
+        # The bridge can map the local spec once our FP8 parallel linears are registered with its
+        # AutoMapping.register_module_type (a probe loaded tiny Qwen3/Llama exactly that way); we do not
+        # register them: the native loader serves the CPU/emulated path (docs/models.md).
+        return False, ("the model uses the local (CPU/emulated) layer spec, which the native loader serves "
+                       "(megatron-bridge would need our FP8 parallel linears registered with its AutoMapping)")
     if actor.pp_size > 1 and not actor.model_cfg.untie_embeddings_and_output_weights:
         # We build without an embedding group (gpt.py); the tied head copy on the last stage is ours to fill.
         return False, "tied embeddings under pipeline parallelism"
@@ -538,9 +541,10 @@ def load_hf_weights(actor, path: str | os.PathLike | None = None, *, backend: st
     - ``"native"``: this module: each rank reads its pipeline stage's tensors from the safetensors
       files and copies its TP shard via ``actor.load_weights`` (:mod:`~nemo_fp8rl.models.hf_weights`).
       Works on every layer spec and layout; the CPU path always uses it.
-    - ``"megatron-bridge"``: ``AutoBridge.from_hf_pretrained(path).load_hf_weights([model])``; needs
-      megatron-bridge and the Transformer Engine spec (its mappings name TE's fused-norm parameters),
-      and is not used for tied embeddings under PP. Spot-checked against the checkpoint afterwards.
+    - ``"megatron-bridge"``: ``AutoBridge.from_hf_pretrained(path).load_hf_weights([model])``; used with
+      the Transformer Engine spec only (it could map the local spec too once our FP8 parallel linears are
+      registered with its ``AutoMapping``, which we do not do: the native loader serves that path), and
+      not for tied embeddings under PP. Spot-checked against the checkpoint afterwards.
     - ``"auto"`` (default): megatron-bridge when it is usable (installed, TE spec, not tied under PP),
       else native. If the bridge raises, the error is logged and the native loader runs.
 
