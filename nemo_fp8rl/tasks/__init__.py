@@ -26,6 +26,7 @@ _EXPORTS = {
     "task_names": "base",
     "task_class": "base",
     "pad_examples": "base",
+    "reshard_seed": "base",
     "ArithmeticTask": "arithmetic",
     "MathJsonlTask": "math_jsonl",
     "JsonlDataError": "math_jsonl",
@@ -37,8 +38,8 @@ _EXPORTS = {
 
 __all__ = [  # noqa: RUF022 - same order as _EXPORTS
     "Task", "Tokenizer", "CharTokenizer", "Prompt", "Scores", "get_task", "register_task", "task_names",
-    "task_class", "pad_examples", "ArithmeticTask", "MathJsonlTask", "JsonlDataError", "HFTokenizer",
-    "load_tokenizer", "RewardRunner", "RewardResult",
+    "task_class", "pad_examples", "reshard_seed", "ArithmeticTask", "MathJsonlTask", "JsonlDataError",
+    "HFTokenizer", "load_tokenizer", "RewardRunner", "RewardResult",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 

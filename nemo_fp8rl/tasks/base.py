@@ -5,6 +5,9 @@ scores the sampled responses (``score``), says whether a response is well-formed
 garbled-output metric ``rollout/invalid_frac``), and provides supervised warm-up examples so RL starts
 from a policy that is right part of the time (``warmup_examples``). Its position in the data stream is
 part of the checkpoint (``state_dict`` / ``load_state_dict``) so a resumed run sees the same prompts.
+A run resumed at another data-parallel size hands the new rank every saved rank's state
+(``reshard_state``): the stream goes on from the saved position, re-seeded or resharded, never from
+its opening.
 
 Reward functions run in a separate worker process with a per-call timeout
 (:mod:`nemo_fp8rl.tasks.reward_runner`): a reward that raises, hangs or crashes scores 0 and is counted
@@ -33,9 +36,25 @@ __all__ = [
     "get_task",
     "pad_examples",
     "register_task",
+    "reshard_seed",
     "task_class",
     "task_names",
 ]
+
+
+RESHARD_SEED_STRIDE = 1_000_000_007
+"""Prime step of :func:`reshard_seed` (not the arithmetic task's eval offset 1_000_003)."""
+
+
+def reshard_seed(seed: int, step: int) -> int:
+    """The seed a random stream gets when a run resumes at step ``step`` with another data-parallel size.
+
+    ``seed`` is the stream's seed as built (for the trainer's streams and the task it already holds the
+    DP rank: ``cfg.seed * 1000 + offset + dp_rank``); adding ``RESHARD_SEED_STRIDE * step`` gives a
+    stream that is neither the run's opening (step 0) nor another rank's, and the same on every
+    resume from the same checkpoint (a resumed run stays reproducible).
+    """
+    return int(seed) + RESHARD_SEED_STRIDE * int(step)
 
 
 @runtime_checkable
@@ -248,6 +267,36 @@ class Task(ABC):
         self.generator.set_state(state["rng_state"])
         self.warmup_generator.set_state(state["warmup_rng_state"])
         self.prompts_served = int(state["prompts_served"])
+
+    def reshard_state(self, saved_states: Sequence[dict[str, Any]], dp_rank: int, dp_size: int, step: int) -> str:
+        """Continue a run saved at another data-parallel size: this task becomes DP rank ``dp_rank`` of
+        ``dp_size`` at step ``step``.
+
+        ``saved_states[i]`` is the :meth:`state_dict` of saved DP rank i (one per saved DP rank, in rank
+        order). No saved rank owns this rank's stream, and building it afresh (seeded by the DP rank)
+        would replay the run's opening prompts on rank 0; so the task's generators are re-seeded from
+        their seed as built and the resumed step (:func:`reshard_seed`): new prompts, never the
+        opening ones. ``prompts_served`` continues from the saved rank of this DP rank (saved rank 0
+        when there is none). A task that reads a dataset overrides this to continue the saved epoch.
+
+        Returns:
+            One line for the resume warning: what was re-seeded or continued.
+        """
+        if not saved_states:
+            raise ValueError("reshard_state() needs the task state of every saved data-parallel rank, got none")
+        if not (0 <= dp_rank < dp_size):
+            raise ValueError(f"reshard_state(): dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
+        for i, st in enumerate(saved_states):
+            missing = {"rng_state", "warmup_rng_state", "prompts_served"} - set(st)
+            if missing:
+                raise KeyError(f"task state of saved data-parallel rank {i} is missing {sorted(missing)} "
+                               "(checkpoint from another task?)")
+        self.generator.manual_seed(reshard_seed(self.seed, step))
+        self.warmup_generator.manual_seed(reshard_seed(self.seed + 1, step))
+        own = saved_states[dp_rank] if dp_rank < len(saved_states) else saved_states[0]
+        self.prompts_served = int(own["prompts_served"])
+        return (f"task {self.name}: prompt stream re-seeded from (seed {self.seed}, step {step}) "
+                f"(reshard_seed)")
 
 
 _TASKS: dict[str, Callable[..., Task]] = {}

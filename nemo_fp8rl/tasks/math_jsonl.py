@@ -23,9 +23,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -252,6 +253,102 @@ class MathJsonlTask(Task):
         self.epoch, self.cursor, self.order = int(state["epoch"]), int(state["cursor"]), list(state["order"])
         if "order_generator" in state and self.order_generator is not self.generator:
             self.order_generator.set_state(state["order_generator"])
+
+    def reshard_state(self, saved_states: Sequence[dict[str, Any]], dp_rank: int, dp_size: int, step: int) -> str:
+        """Continue the saved epoch as DP rank ``dp_rank`` of ``dp_size`` (a run saved by ``k_old =
+        len(saved_states)`` DP ranks resumes with ``k_new = dp_size``).
+
+        Every rank of a run draws the same per-epoch permutation ``perm`` and rank i serves
+        ``perm[i::k_old]`` (the strided shards interleave), so when the saved ranks are all at
+        ``(epoch, cursor)`` the rows served this epoch are exactly ``perm[:cursor * k_old]``. The
+        permutation is rebuilt from the saved shards (``perm[j] = order[j % k_old][j // k_old]``; the
+        ``N % k_old`` rows no old shard held go last, in row order); this rank takes its stride
+        ``perm[dp_rank::k_new]`` (first ``k_new * (N // k_new)`` entries, as every epoch) and starts at
+        cursor ``ceil(cursor * k_old / k_new)``. So no row is served twice in the epoch, and at most
+        ``k_new - 1`` rows of it (positions ``cursor * k_old`` up to ``k_new * new_cursor``) are skipped.
+        The permutation generator continues from the saved state, so the next epochs' permutations are
+        the ones the uninterrupted run draws.
+
+        With DAPO dynamic sampling the ranks draw unequal numbers of prompts and may stand at different
+        cursors or epochs. Then the latest epoch E is continued (its permutation rebuilt by replaying
+        the permutation generator of a rank that had not drawn it yet, checked against the ranks that
+        had) from position ``k_old * max(cursor)``: rows of E that a slower rank had not reached, and
+        rows of earlier epochs that ranks behind had not reached, are skipped (counted in the returned
+        line), none is served twice. Inconsistent saved shards (another file, another layout than the
+        list says, permutations that do not agree) are refused, naming the mismatch.
+
+        The task's own generator is re-seeded as in :meth:`Task.reshard_state` (without sharding it is
+        also the permutation generator, which continues instead).
+        """
+        k_old, k_new, n = len(saved_states), int(dp_size), len(self.rows)
+        if (dp_rank, dp_size) != (self.shard_rank, self.num_shards):
+            raise ValueError(f"reshard_state(dp_rank={dp_rank}, dp_size={dp_size}) on a task built as shard "
+                             f"{self.shard_rank} of {self.num_shards}; build the task with shard_rank=dp_rank, "
+                             "num_shards=dp_size")
+        for i, st in enumerate(saved_states):
+            if st.get("num_rows") != n:
+                raise ValueError(f"task state of saved data-parallel rank {i} was saved with {st.get('num_rows')} "
+                                 f"rows but {self.path} now has {n} usable rows; resume with the same data file")
+            shard = list(st.get("shard", [0, 1]))  # checkpoints from before sharding: one shard
+            if shard != [i, k_old]:
+                raise ValueError(f"task state {i} of the {k_old} saved data-parallel ranks was saved by rank "
+                                 f"{shard[0]} of {shard[1]}; pass one state per saved DP rank, in rank order")
+            missing = {"epoch", "cursor", "order"} - set(st)
+            if missing:
+                raise KeyError(f"task state of saved data-parallel rank {i} is missing {sorted(missing)} "
+                               "(checkpoint from another task?)")
+        note = super().reshard_state(saved_states, dp_rank, dp_size, step)
+
+        epochs = [int(st["epoch"]) for st in saved_states]
+        E = max(epochs)
+        used = [int(st["cursor"]) if e == E else 0 for st, e in zip(saved_states, epochs)]
+        gen_states = [st.get("order_generator", st["rng_state"]) for st in saved_states]
+        at_e = [i for i, e in enumerate(epochs) if e == E]
+        if min(epochs) == E:
+            orders = [list(st["order"]) for st in saved_states]
+            if len({len(o) for o in orders}) != 1:
+                raise ValueError(f"saved task shards have unequal epoch lengths {[len(o) for o in orders]}; "
+                                 "they are not the shards of one run")
+            perm = [orders[j % k_old][j // k_old] for j in range(k_old * len(orders[0]))]
+            perm += sorted(set(range(n)) - set(perm))
+        else:  # ranks behind: replay the permutation generator of the furthest-behind rank up to epoch E
+            behind = epochs.index(min(epochs))
+            g = torch.Generator()
+            g.set_state(gen_states[behind])
+            perm = list(range(n))
+            for _ in range(E - epochs[behind]):
+                perm = torch.randperm(n, generator=g).tolist() if self.shuffle else list(range(n))
+            gen_states = [g.get_state() if e < E else s for e, s in zip(epochs, gen_states)]
+        if sorted(perm) != list(range(n)):
+            raise ValueError("the saved task shards do not form one permutation of the rows; they are not the "
+                             "shards of one run (resume with the saved data-parallel size)")
+        kept = perm[: n - n % k_old]
+        for i in at_e:
+            if kept[i::k_old] != list(saved_states[i]["order"]):
+                raise ValueError(f"saved data-parallel rank {i}'s epoch-{E} rows are not its stride of the run's "
+                                 "permutation (another shuffle_seed or data file?); resume with the saved "
+                                 "data-parallel size")
+        if self.shuffle and any(not torch.equal(g_i, gen_states[0]) for g_i in gen_states):
+            raise ValueError("the saved data-parallel ranks' permutation generators differ (another shuffle_seed?); "
+                             "resume with the saved data-parallel size")
+
+        start = k_old * max(used)  # every row served in epoch E lies before this position
+        self.epoch = E
+        self.order = perm[: n - n % k_new][dp_rank::k_new]
+        self.cursor = min(math.ceil(start / k_new), len(self.order))
+        self.order_generator.set_state(gen_states[at_e[0]])  # after the base re-seed: may be self.generator
+        late = start - sum(used)  # rows of epoch E before `start` that a slower rank had not served
+        earlier = sum(len(st["order"]) * (E - e) - int(st["cursor"])  # its epoch's rest + whole epochs between
+                      for st, e in zip(saved_states, epochs) if e < E)
+        # the seam: positions start .. k_new * cursor (none when the epoch's usual tail is all that is left)
+        skipped = max(0, k_new * self.cursor - start) + late
+        if self.order_generator is self.generator:  # no sharding: the generator draws only permutations
+            note = f"task {self.name}: warm-up stream re-seeded from (seed {self.seed}, step {step})"
+        msg = (f"{note}; math_jsonl epoch {E} continued from position {start} of its permutation "
+               f"({sum(used)} rows served before the resume, {skipped} rows of the epoch skipped")
+        if earlier:
+            msg += f", {earlier} rows of earlier epochs left unserved by ranks that were behind"
+        return msg + "), later epochs draw the saved run's permutations"
 
     # ---------------------------------------------------------------- rewards
     @property

@@ -533,6 +533,7 @@ class RLTrainer:
     def _restore(self, st) -> None:
         """Restore from a checkpoint: a :class:`~nemo_fp8rl.trainer.checkpoint.ShardedCheckpoint`
         (format 2, any layout) or a per-rank state dict (format 1, same layout)."""
+        from nemo_fp8rl.tasks.base import reshard_seed
         from nemo_fp8rl.trainer.checkpoint import ShardedCheckpoint
 
         if not isinstance(st, ShardedCheckpoint):
@@ -543,26 +544,45 @@ class RLTrainer:
         states = st.rank_states
         self.actor.load_sharded_checkpoint([s["actor_local"] for s in states], st.load_sharded)
         a = self.actor
-        # Per-DP-rank streams (prompts, sampling, minibatch order) continue exactly when the DP size is
-        # unchanged: take them from a saved rank of this DP rank (the one at this rank's coordinates
-        # if the layout is unchanged). With another DP size there is no such rank: this rank keeps the
-        # streams it was built with (seeded by its DP rank), so the data order differs from the
-        # uninterrupted run from here on.
-        same_dp = states[0]["dp_size"] == a.dp_size
-        me = {"tp_rank": a.tp_rank, "pp_rank": a.pp_rank, "dp_rank": a.dp_rank}
-        src = None
-        if same_dp:
+        # Per-DP-rank streams (prompts, sampling, minibatch order, torch's CPU RNG) continue exactly when
+        # the DP size is unchanged: take them from a saved rank of this DP rank (the one at this rank's
+        # coordinates if the layout is unchanged).
+        old_dp = int(states[0]["dp_size"])
+        if old_dp == a.dp_size:
+            me = {"tp_rank": a.tp_rank, "pp_rank": a.pp_rank, "dp_rank": a.dp_rank}
             src = next((s for s in states if s["actor_local"]["coords"] == me), None) or \
                 next(s for s in states if s["dp_rank"] == a.dp_rank)
-        else:
-            logger.warning("resuming step %d saved at DP=%d with DP=%d: weights, optimizer and calibration state "
-                           "are restored; each data-parallel rank's prompt and sampling streams restart from their "
-                           "seeds", st.step, states[0]["dp_size"], a.dp_size)
-        self._restore_run_state(src if src is not None else states[0], per_rank=src is not None)
+            self._restore_run_state(src, per_rank=True)
+            return
+        # Another DP size: no saved rank owns this rank's streams, and the streams as built (seeded by
+        # seed and DP rank) would replay the run's opening prompts and samples on DP rank 0. The task
+        # continues the saved data position from every saved DP rank's state (a dataset task: the saved
+        # epoch, resharded); the trainer's streams are re-seeded from (seed, DP rank, resumed step).
+        self._restore_run_state(states[0], per_rank=False)
+        step = self.step_idx
+        by_dp = {}
+        for s in states:
+            by_dp.setdefault(int(s["dp_rank"]), s)
+        if sorted(by_dp) != list(range(old_dp)):
+            raise ValueError(f"checkpoint {st.directory} holds the states of DP ranks {sorted(by_dp)} of a DP={old_dp} "
+                             "run (rank files missing?); resume from a complete checkpoint")
+        task_note = self.task.reshard_state([by_dp[r]["task"] for r in range(old_dp)], a.dp_rank, a.dp_size, step)
+        base = self.cfg.seed * 1000
+        seeds = {"rollout": reshard_seed(base + 17 + a.dp_rank, step),  # 17, 43: the seeds of __init__
+                 "shuffle": reshard_seed(base + 43 + a.dp_rank, step),
+                 "torch": reshard_seed(base + 61 + a.dp_rank, step)}
+        self.rollout_gen.manual_seed(seeds["rollout"])
+        self.shuffle_gen.manual_seed(seeds["shuffle"])
+        torch.set_rng_state(torch.Generator().manual_seed(seeds["torch"]).get_state())  # CPU only, as restored
+        logger.warning(
+            "resuming step %d saved at DP=%d with DP=%d: weights, optimizer, calibration state, step, stability "
+            "monitor and counters restored; DP rank %d's rollout sampling, minibatch order and CPU RNG re-seeded "
+            "from (seed=%d, dp_rank=%d, step=%d) (reshard_seed: not the run's opening streams); %s",
+            st.step, old_dp, a.dp_size, a.dp_rank, self.cfg.seed, a.dp_rank, step, task_note)
 
     def _restore_run_state(self, st: dict, per_rank: bool) -> None:
         """Shared state (step, calibration, monitor, counters); with ``per_rank`` also this DP rank's
-        data position and RNG streams."""
+        data position and RNG streams (without: :meth:`_restore` reshards or re-seeds them)."""
         self.step_idx = int(st["step"])
         if self.calibrator is not None:
             self.calibrator.load_state_dict(st["calibrator"])
