@@ -335,8 +335,14 @@ def _fp8_keys(msg: str) -> str:
 
 
 def _validate_rollout_engine(cfg: TrainConfig) -> None:
-    """``rollout.engine`` and its vllm keys; vllm setups vLLM cannot run anywhere (``same_as_train``, TP > 1,
-    ``vllm_block`` on a model whose fused linears are not in whole 128-row blocks).
+    """``rollout.engine`` and its vllm keys; vllm setups vLLM cannot run anywhere (``same_as_train``,
+    ``vllm_block`` on a model whose fused linears are not in whole 128-row blocks per TP shard).
+
+    ``rollout.tensor_parallel_size`` T > 1: vllm only; T must divide the model-parallel size of a replica
+    (``parallel.tensor_model_parallel_size`` x ``parallel.pipeline_model_parallel_size``: a vLLM group of T
+    consecutive ranks generates for one replica) and the attention heads. Whether the T consecutive ranks
+    lie in one replica also depends on the data-parallel size, unknown before launch: the trainer checks
+    it on the running job (``rollout_share_layout``; T dividing parallel.tensor_model_parallel_size always does).
 
     Runs on the SLURM submit host, which has no GPU: whether this machine could run vLLM's FP8 is not
     asked here (the engine checks the hardware when it is built on the compute node).
@@ -351,6 +357,19 @@ def _validate_rollout_engine(cfg: TrainConfig) -> None:
         raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size!r} must be an integer >= 1")
     if not 0.0 < r.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r} must be in (0, 1]")
+    T = r.tensor_parallel_size
+    if T > 1 and r.engine != "vllm":
+        raise ConfigError(f"rollout.tensor_parallel_size={T} applies to rollout.engine=vllm; the {r.engine} engine "
+                          "holds the whole model on every rank: set rollout.tensor_parallel_size=1")
+    p = cfg.parallel
+    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if T > 1 and mp % T:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={T} must divide the model-parallel ranks of a replica, "
+            f"parallel.tensor_model_parallel_size x parallel.pipeline_model_parallel_size = "
+            f"{p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} = {mp} (vLLM groups T consecutive "
+            "ranks, which must generate for one replica); choose a divisor of parallel.tensor_model_parallel_size"
+        )
     if r.engine == "vllm":
         from nemo_fp8rl.rollout.vllm_engine import check_vllm_supported
 

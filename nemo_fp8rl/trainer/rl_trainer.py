@@ -138,16 +138,39 @@ class RLTrainer:
         self.local_prompts = a.prompts_per_step // self.actor.dp_size
         # The bf16 arm is high precision end to end: no FP8 in the rollout either.
         scheme = cfg.rollout.fp8.scheme if self.recipe is not None else "off"
+        # Who generates what (_engine_generate). A replica's M model-parallel ranks hold M / T rollout
+        # engines (T = rollout.tensor_parallel_size; vLLM groups T consecutive global ranks, which must lie
+        # in one replica: checked here on every rank alike, before the engine build, which is collective).
+        split = cfg.rollout.split_prompts if cfg.rollout.split_prompts is not None else cfg.rollout.engine != "torch"
+        mp_size = dist.get_world_size(self.actor.mp_group) if dist.is_initialized() else 1
+        rollout_tp = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+        share, n_shares, leader = (dist.get_rank(self.actor.mp_group) if dist.is_initialized() else 0), mp_size, True
+        if rollout_tp > 1:
+            from nemo_fp8rl.config.schema import ConfigError
+            from nemo_fp8rl.rollout.vllm_engine import rollout_share_layout
+
+            replicas: list = [None] * dist.get_world_size()
+            dist.all_gather_object(replicas, dist.get_process_group_ranks(self.actor.mp_group))
+            try:
+                share, n_shares, leader = rollout_share_layout(replicas, dist.get_rank(), rollout_tp)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.engine = get_rollout_engine(
             cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
             eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None), options=cfg.rollout,
         )
-        split = cfg.rollout.split_prompts if cfg.rollout.split_prompts is not None else cfg.rollout.engine != "torch"
-        mp_size = dist.get_world_size(self.actor.mp_group) if dist.is_initialized() else 1
-        self._split = (self.actor.mp_group, dist.get_rank(self.actor.mp_group), mp_size) if split and mp_size > 1 else None
+        if rollout_tp > 1:
+            block = dist.get_rank() - dist.get_rank() % rollout_tp
+            if list(self.engine.tp_group_ranks) != list(range(block, block + rollout_tp)):
+                raise RuntimeError(f"vLLM formed the tensor-parallel group {self.engine.tp_group_ranks} for rank "
+                                   f"{dist.get_rank()}, not the consecutive ranks the rollout split assumes")
+        # (group, share, shares, leader): this rank's engine generates share `share` of `shares`; the
+        # leaders' (first rank of each vLLM group) shares are gathered over the replica.
+        self._split = (self.actor.mp_group, share, n_shares, leader) if split and mp_size > 1 else None
         if self._split is not None:
-            logger.info("rollout: each of the %d model-parallel ranks of a replica generates 1/%d of its batch "
-                        "(rollout.split_prompts)", mp_size, mp_size)
+            logger.info("rollout: each of the %d rollout engines (rollout.tensor_parallel_size=%d) of a replica's %d "
+                        "model-parallel ranks generates 1/%d of its batch (rollout.split_prompts)",
+                        n_shares, rollout_tp, mp_size, n_shares)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             max_new_tokens=cfg.rollout.max_new_tokens, stop_on_eos=cfg.rollout.stop_on_eos,
@@ -275,26 +298,30 @@ class RLTrainer:
     def _engine_generate(self, prompts: list[list[int]]):
         """The engine's batch for ``prompts``, the same on every model-parallel rank of the replica.
 
-        Without ``rollout.split_prompts`` every rank generates all of it with ``rollout_gen``. With it,
-        rank k of the M model-parallel ranks generates rows [k B / M, (k + 1) B / M) with a generator
-        seeded from one draw of ``rollout_gen`` (+ k) and the shares are all-gathered in rank order, so
-        every rank advances ``rollout_gen`` alike (resume stays exact) and trains on the same batch.
+        Without ``rollout.split_prompts`` every rank generates all of it with ``rollout_gen`` (with
+        ``rollout.tensor_parallel_size`` T > 1 each vLLM group of T ranks generates it together: the
+        replica's ranks share prompts and generator state). With it, the replica's M model-parallel ranks
+        hold S = M / T engines; engine k generates rows [k B / S, (k + 1) B / S) with a generator seeded
+        from one draw of ``rollout_gen`` (+ k), the same on all T ranks of that engine, and the shares of
+        the engines' first ranks are all-gathered in share order. Every rank advances ``rollout_gen``
+        alike (resume stays exact) and trains on the same batch. T = 1: S = M, engine k is rank k.
         """
         from nemo_fp8rl.rollout import RolloutBatch
 
         if self._split is None:
             return self.engine.generate(prompts, self.sampling, self.rollout_gen)
-        group, rank, size = self._split
+        group, share, n_shares, leader = self._split
         base = int(torch.randint(0, 2**62, (1,), generator=self.rollout_gen))
         B = len(prompts)
-        lo, hi = rank * B // size, (rank + 1) * B // size
+        lo, hi = share * B // n_shares, (share + 1) * B // n_shares
         mine = None
         if hi > lo:
-            share_gen = torch.Generator().manual_seed(base + rank)
+            share_gen = torch.Generator().manual_seed(base + share)
             mine = self.engine.generate(prompts[lo:hi], self.sampling, share_gen)
-        shares: list = [None] * size
-        dist.all_gather_object(shares, mine, group=group)
-        return RolloutBatch.concat([b for b in shares if b is not None], self.task.tokenizer.pad_id)
+        shares: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, (share, mine) if leader and mine is not None else None, group=group)
+        return RolloutBatch.concat([b for _, b in sorted((s for s in shares if s is not None), key=lambda s: s[0])],
+                                   self.task.tokenizer.pad_id)
 
     def _rollout(self):
         """Rollout with DAPO dynamic sampling: keep groups with reward variance, sample more to refill."""
