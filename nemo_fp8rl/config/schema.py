@@ -75,7 +75,9 @@ class RolloutConfig:
     """vllm: weight sync streams the actor's weights to the engine in buckets of at most this many MiB
     (one tensor larger than a bucket is sent alone); bounds the extra memory of a sync."""
     tensor_parallel_size: int = 1
-    """vllm: tensor-parallel size of the engine (GPU; must be 1 on CPU)."""
+    """vllm: GPUs (CPU: processes) one engine spans, T consecutive ranks of a replica (vLLM's
+    ``external_launcher``); must divide parallel.tensor_model_parallel_size x pipeline_model_parallel_size.
+    The replica's TP x PP / T engines each generate their share of its batch. docs/rollout.md."""
     gpu_memory_utilization: float = 0.5
     """vllm: fraction of GPU memory the engine may take for weights and KV cache (GPU only; ignored on
     CPU, where VLLM_CPU_KVCACHE_SPACE sets the KV cache in GiB)."""

@@ -374,7 +374,7 @@ class RolloutPlan:
     reserved: int  # share x capacity
     weights: int
     kv_per_sequence: int
-    sequences: int  # the rank's rollout batch: prompts_per_step / DP x group_size (/ TP x PP when split)
+    sequences: int  # the engine's rollout batch: prompts_per_step / DP x group_size (/ its engines when split)
     scheme: str
     sleeps: bool = False
     """The engine frees its GPU memory while training runs (vLLM sleep mode, ``rollout.enable_sleep``):
@@ -604,8 +604,9 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
         r_tp, r_pp = (cfg.rollout.tensor_parallel_size, 1) if vllm else (tp, pp)
         sequences = a.prompts_per_step // options.dp * a.group_size
         split = cfg.rollout.split_prompts if cfg.rollout.split_prompts is not None else cfg.rollout.engine != "torch"
-        if split:  # the replica's TP x PP ranks each generate their share (rollout.split_prompts)
-            sequences = -(-sequences // (tp * pp))
+        if split:  # the replica's TP x PP / r_tp engines each generate their share (rollout.split_prompts)
+            engines = max(1, (tp * pp) // (r_tp if vllm else 1))
+            sequences = -(-sequences // engines)
         rollout = rollout_plan(shape, r_tp, r_pp, cfg.model.seq_length, sequences, scheme, int(share * cap))
         if vllm and cfg.rollout.enable_sleep:
             rollout = dataclasses.replace(rollout, sleeps=True)
@@ -843,7 +844,7 @@ def describe(cfg, options: PlanOptions, plan: MemoryPlan) -> str:
             lines.append(
                 f"rollout engine {cfg.rollout.engine!r} (GPU, {r.scheme}, {src}): weights "
                 f"{r.weights / GIB:.2f} GiB, KV {r.kv_per_sequence / 2**20:.1f} MiB per {m.seq_length}-token "
-                f"sequence: room for {r.concurrent} sequences at once, the rank's rollout batch is {r.sequences}"
+                f"sequence: room for {r.concurrent} sequences at once, the engine's rollout batch is {r.sequences}"
                 + ("" if r.fits else ": NOT EVEN ONE SEQUENCE FITS"))
     return "\n".join(lines)
 
@@ -961,9 +962,10 @@ def no_fix_hint(plan: MemoryPlan) -> str:
     r = plan.rollout
     if r is not None and plan.train_total <= plan.available and not (r.fits and plan.generation_fits):
         fp8 = ("FP8 rollout (rollout.fp8.scheme=vllm_block) stores its linears in 1 byte, or " if plan.recipe
-               else "the BF16 arm generates in BF16; ")
-        return ("training fits, the rollout engine does not: the vllm engine holds the whole model on each "
-                f"GPU ({r.weights / GIB:.1f} GiB of weights here); {fp8}use a GPU with more memory (--gpu h200; "
+               else "the BF16 arm generates in BF16; or ")
+        return ("training fits, the rollout engine does not: each vllm engine holds the whole model on "
+                f"rollout.tensor_parallel_size GPUs ({r.weights / GIB:.1f} GiB of weights per GPU here); a larger "
+                f"rollout.tensor_parallel_size splits it, {fp8}use a GPU with more memory (--gpu h200; "
                 "launcher: +launcher.memory_plan=h200)")
     return ("no single knob tried here makes it fit (micro batch, TP, PP, optimizer): use more GPUs per replica "
             "or a GPU with more memory")

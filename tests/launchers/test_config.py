@@ -45,8 +45,6 @@ SHAPES = {
 @pytest.mark.parametrize("stage", sorted(SHAPES))
 def test_each_stage_plans_its_job(stage, tmp_path):
     extra = [] if stage.startswith("tiny") else GPU_REQUIRED
-    if stage == "qwen2_5_32b_dapo_bf16":  # a BF16 32B vLLM engine per GPU needs 141 GB GPUs (see below)
-        extra = [*extra, "+launcher.memory_plan=h200"]
     (plan,) = plans(f"rl={stage}", f"base_results_dir={tmp_path}", *extra)
     nodes, tasks, gpus, tp, pp, dp, algo, model, recipe = SHAPES[stage]
     assert (plan.run.nodes, plan.run.ntasks_per_node, plan.run.gpus_per_node) == (nodes, tasks, gpus)
@@ -63,18 +61,25 @@ def test_each_stage_plans_its_job(stage, tmp_path):
         # vLLM generates, each GPU its share of the replica's batch, asleep while training
         assert t.rollout.engine == "vllm" and t.rollout.split_prompts is None and t.rollout.enable_sleep
         assert plan.memory is not None and plan.memory.fits and plan.memory.rollout.sleeps
+        # 32B: one engine per 2 GPUs (half a model each), 8B: one per GPU
+        assert t.rollout.tensor_parallel_size == (2 if "32b" in stage else 1)
     if stage == "qwen2_5_32b_dapo_blockwise":
         assert (t.algorithm.eps_high, t.algorithm.dynamic_sampling, t.rollout.fp8.scheme) == (0.28, True, "vllm_block")
 
 
-def test_the_bf16_32b_stage_is_refused_on_80gb_gpus_naming_why(tmp_path):
-    """Its vLLM engine holds the whole BF16 model (61 GiB) on each GPU: the plan refuses an H100 before
-    anything is written, saying that training fits and the engine does not, and what to do."""
+def test_a_whole_bf16_32b_engine_per_gpu_is_refused_on_80gb_gpus_naming_why(tmp_path):
+    """The BF16 32B stage at rollout.tensor_parallel_size=1: its vLLM engine would hold the whole BF16 model
+    (61 GiB) on each GPU; the plan refuses an H100 before anything is written, saying that training fits
+    and the engine does not, and what to do; an H200 takes it."""
+    one = ["rl.rollout.tensor_parallel_size=1", "rl.rollout.gpu_memory_utilization=0.6"]
     with pytest.raises(LaunchError) as e:
-        plans("rl=qwen2_5_32b_dapo_bf16", f"base_results_dir={tmp_path}", *GPU_REQUIRED)
+        plans("rl=qwen2_5_32b_dapo_bf16", f"base_results_dir={tmp_path}", *GPU_REQUIRED, *one)
     msg = str(e.value)
     assert "does not fit h100" in msg and "training fits, the rollout engine does not" in msg, msg
     assert "+launcher.memory_plan=h200" in msg and not (tmp_path / "qwen2_5_32b_dapo_bf16").exists()
+    (plan,) = plans("rl=qwen2_5_32b_dapo_bf16", f"base_results_dir={tmp_path}", *GPU_REQUIRED, *one,
+                    "+launcher.memory_plan=h200")
+    assert plan.memory.fits
 
 
 def test_overrides_flow_into_the_training_config(tmp_path):

@@ -384,7 +384,7 @@ def test_cli_prints_every_recipe_side_by_side(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["rl=qwen3_8b_grpo_bf16", "rl.rollout.engine=vllm"], "use +rl.rollout.engine=vllm"),
+    (["rl=qwen3_8b_grpo_bf16", "rl.rollout.top_p=0.9"], "use +rl.rollout.top_p=0.9"),
     (["model=tiny", "rollout.enginex=vllm"], "rollout.enginex"),
 ])
 def test_cli_bad_override_is_one_line_not_a_traceback(capsys, argv, needle):
@@ -394,15 +394,17 @@ def test_cli_bad_override_is_one_line_not_a_traceback(capsys, argv, needle):
 
 
 def test_cli_says_when_the_rollout_engine_is_what_does_not_fit(capsys):
-    """32B BF16 with the vllm engine on an H100: training fits, but a whole BF16 model per GPU (61 GiB) does
-    not fit the engine's share; the plan says so (not "use more GPUs per replica", which would not help)."""
-    rc = _plan("rl=qwen2_5_32b_dapo_bf16", "+rl.rollout.engine=vllm", "+rl.rollout.gpu_memory_utilization=0.6")
+    """32B BF16 with one vllm engine per GPU on an H100: training fits, but a whole BF16 model per GPU (61 GiB)
+    does not fit the engine's share; the plan says so (not "use more GPUs per replica", which would not help)."""
+    one = ("rl.rollout.tensor_parallel_size=1", "rl.rollout.gpu_memory_utilization=0.6")
+    rc = _plan("rl=qwen2_5_32b_dapo_bf16", *one)
     out = capsys.readouterr().out
     assert rc == 1, out
     assert "is smaller than its weights (61.0 GiB)" in out, out
     assert "training fits, the rollout engine does not" in out and "the BF16 arm generates in BF16" in out, out
-    assert _plan("rl=qwen2_5_32b_dapo_bf16", "+rl.rollout.engine=vllm", "+rl.rollout.gpu_memory_utilization=0.6",
-                 "--gpu", "h200") == 0
+    assert "a larger rollout.tensor_parallel_size splits it" in out, out
+    assert _plan("rl=qwen2_5_32b_dapo_bf16", *one, "--gpu", "h200") == 0
+    assert _plan("rl=qwen2_5_32b_dapo_bf16") == 0  # the stage as shipped: one engine per 2 GPUs
 
 
 def _first_fix(out: str) -> tuple[list[str], int | None]:
@@ -477,7 +479,9 @@ def test_launcher_refuses_a_layout_that_cannot_fit(tmp_path):
         plans(*shrink)
     msg = str(e.value)
     assert "memory plan" in msg and "TP=8 x PP=1 x DP=1" in msg and "h100" in msg
-    assert "rl.parallel.pipeline_model_parallel_size=2" in msg  # the knob, scoped as the launcher spells it
+    # the knob, scoped as the launcher spells it: PP=2 (16 GPUs, DP=1) fits training but not the stage's vLLM
+    # engines next to the optimizer state that DP=1 leaves unsharded (both phases are planned)
+    assert "rl.parallel.pipeline_model_parallel_size=4" in msg
     assert "+launcher.memory_plan=off" in msg
     (plan,) = plans(*shrink, "+launcher.memory_plan=off")  # the user's override wins
     assert plan.memory is None

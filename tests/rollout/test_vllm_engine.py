@@ -344,8 +344,8 @@ def test_fp8_rollout_on_cpu_stops_before_any_work_with_the_alternative(scheme):
 def test_schemes_vllm_cannot_compute_are_refused_anywhere():
     with pytest.raises(ValueError, match=r"rollout.fp8.scheme=same_as_train.*vllm_block or vllm_w8a8.*rollout.engine=torch"):
         check_vllm_supported(fp8_scheme="same_as_train", installed=False)
-    with pytest.raises(ValueError, match="rollout.tensor_parallel_size"):
-        check_vllm_supported(tensor_parallel_size=2, installed=False)
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2 does not divide the 3 processes"):
+        check_vllm_supported(tensor_parallel_size=2, installed=False, world_size=3)
 
 
 def test_config_validation_accepts_fp8_rollout_with_vllm_on_a_host_without_gpu(monkeypatch):
