@@ -261,6 +261,11 @@ class TrainerConfig:
     """Save every N steps (and at the end); 0 = only at the end."""
     keep_last: int = 3
     """Checkpoints kept."""
+    async_save: bool = False
+    """Write the sharded checkpoint state (``dist/``) with megatron's asynchronous save: the step
+    continues while a forked writer writes a host-memory snapshot; the checkpoint is published
+    (``meta.json``, rename, ``latest``) once every rank's writer finished, checked at each step end,
+    before the next save and before exiting. Until then ``latest`` names the previous checkpoint."""
     max_consecutive_skips: int = 5
     """Stop (with a checkpoint of the last good state) after this many non-finite updates in a row."""
     cpu_threads: Optional[int] = 1
@@ -483,6 +488,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("parallel.micro_batch_size must be >= 1")
 
     t = cfg.trainer
+    if not isinstance(t.async_save, bool):
+        raise ConfigError(f"trainer.async_save={t.async_save!r} must be true or false")
     if t.max_steps < 0 or t.checkpoint_interval < 0 or t.keep_last < 1 or t.max_consecutive_skips < 1:
         raise ConfigError(
             "trainer.max_steps and trainer.checkpoint_interval must be >= 0, trainer.keep_last and "

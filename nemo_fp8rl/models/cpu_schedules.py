@@ -60,7 +60,11 @@ SCOPES: dict[str, tuple[str, ...]] = {
         "megatron.core.utils",
     ),
     # dist_checkpointing save/load: verification flags and failure all-reduces on current_device(),
-    # torch.cuda.synchronize() before writing.
+    # torch.cuda.synchronize() before writing. The asynchronous save (trainer.async_save) uses the same
+    # names: preload_tensors' and TemporalAsyncCaller.schedule_async_call's torch.cuda.synchronize()
+    # before the writer is forked, and the int tensors on torch.cuda.current_device() that
+    # AsyncCallsQueue all-reduces (is a writer alive; the finalized call index) and that the finalize
+    # broadcasts (did any rank's write fail). The forked writer itself makes no CUDA call.
     "checkpoint": (
         "megatron.core.dist_checkpointing.strategies.filesystem_async",
         "megatron.core.dist_checkpointing.strategies.state_dict_saver",

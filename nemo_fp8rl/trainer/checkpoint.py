@@ -19,6 +19,11 @@ half-written one that looks complete):
    every file, the model-shaping config) last;
 2. barrier; rank 0 fsyncs the directory and renames ``.tmp-step_<N>`` to ``step_<N>`` (atomic on one
    filesystem), then rewrites ``latest`` (temp file + rename) and prunes to the last K;
+   With ``async_save`` (format 2 only) step 1's ``dist/`` part is megatron's asynchronous save: the
+   shards are staged in host memory and handed to a forked writer process before :meth:`save`
+   returns, and ``meta.json``, the rename and ``latest`` (step 2) run in the finalize step
+   (:meth:`CheckpointManager.poll` / :meth:`~CheckpointManager.wait`), after megatron's collective
+   check that every rank's writer finished; until then ``latest`` names the previous checkpoint;
 3. loading checks that ``meta.json`` exists, that every file is present with the recorded size and
    hash (format 2: the ranks split the ``dist/`` files between them), and that the config matches,
    and raises naming the file otherwise.
@@ -29,9 +34,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -41,6 +48,7 @@ import torch.distributed as dist
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 DIST_DIR = "dist"
+logger = logging.getLogger(__name__)
 # Config keys a format-2 checkpoint may change on resume (the sharded state is layout-free).
 RESHARDABLE_PREFIXES = ("parallel.",)
 # How to move a format-1 run to another layout (named by both of its layout errors).
@@ -164,6 +172,59 @@ def _dist_save(sharded: dict, directory: Path, device) -> None:
         dist_checkpointing.save(sharded, str(directory), sharded_strategy=strategy)
 
 
+def _writer_dies_with_trainer(write_fn, *args, **kwargs):
+    """Runs in megatron's forked async writer: die (SIGKILL) with the trainer that forked it, then write.
+
+    After a ``kill -9`` of the trainer nothing can publish this checkpoint any more; a writer living on
+    would only keep filling ``.tmp-step_<N>/`` (which the next run removes and may recreate). The
+    preemption signals the trainer handles are ignored here (the fork inherited its handlers): the
+    trainer finishes its step, waits for this write and exits."""
+    import signal
+
+    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the trainer died before the prctl
+        os._exit(1)
+    write_fn(*args, **kwargs)
+
+
+def _dist_save_async(sharded: dict, directory: Path, device, calls) -> None:
+    """megatron's asynchronous sharded save, scheduled on ``calls`` (an ``AsyncCallsQueue``).
+
+    ``dist_checkpointing.save(..., async_sharded_save=True)`` plans collectively, writes ``common.pt``
+    and returns an ``AsyncRequest``; scheduling it runs its ``preload_fn`` (CUDA tensors copied to host
+    memory), ``torch.cuda.synchronize()`` and forks the writer (megatron's ``TemporalAsyncCaller``).
+    The snapshot: on GPU the host copies; on CPU the forked writer's copy-on-write image of the
+    parameters, taken before this returns (megatron does not clone whole CPU tensors). A persistent
+    (spawned) writer would receive CPU tensors through shared memory and see later updates, so it is
+    not used. Collective."""
+    from functools import partial
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    from nemo_fp8rl.models.cpu_schedules import cpu_megatron
+
+    _results_queue_dies_with_us()
+    with cpu_megatron("checkpoint", device=device):
+        strategy = get_default_save_sharded_strategy()
+        if _world() > 1:
+            strategy = FullyParallelSaveStrategyWrapper(strategy)
+        request = dist_checkpointing.save(sharded, str(directory), sharded_strategy=strategy,
+                                          async_sharded_save=True)
+        if request.async_fn is not None:
+            request = request._replace(async_fn=partial(_writer_dies_with_trainer, request.async_fn))
+        calls.schedule_async_request(request)
+
+
 def _dist_load(template: dict, directory: Path, device) -> dict:
     from megatron.core import dist_checkpointing
 
@@ -173,14 +234,38 @@ def _dist_load(template: dict, directory: Path, device) -> dict:
         return dist_checkpointing.load(template, str(directory))
 
 
+def _write_error(d: Path, e: BaseException) -> str:
+    """The one-line reason a sharded write into ``d`` failed (KeyboardInterrupt/SystemExit re-raised)."""
+    # megatron's writer reports an OSError (disk full) as torch's CheckpointException, a BaseException
+    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        raise e
+    return f"writing {d} failed: {getattr(e, 'strerror', None) or str(e).splitlines()[-1][:500]}"
+
+
+@dataclass
+class _PendingSave:
+    """An asynchronous save whose ``dist/`` is being written: published by CheckpointManager.wait/poll."""
+
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict
+    scheduled_at: float  # time.perf_counter() when save() returned
+    schedule_s: float  # how long save() spent planning, staging and forking
+
+
 class CheckpointManager:
     """Save/load/prune checkpoints of one run directory (all ranks call save and load together)."""
 
-    def __init__(self, output_dir: str, keep_last: int = 3, device="cpu") -> None:
+    def __init__(self, output_dir: str, keep_last: int = 3, device="cpu", async_save: bool = False) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
         # Where the model lives: a CPU model's sharded save/load runs megatron inside the CPU shims.
         self.device = device
+        # Format-2 saves write dist/ in a forked writer while training goes on (trainer.async_save).
+        self.async_save = async_save
+        self._calls = None  # megatron's AsyncCallsQueue, built at the first async save
+        self._pending: Optional[_PendingSave] = None
 
     # ------------------------------------------------------------------ discovery
     def steps(self) -> list[int]:
@@ -212,7 +297,13 @@ class CheckpointManager:
         sharded state dict saved collectively with ``dist_checkpointing``); returns the final directory.
 
         ``fingerprint``: the config keys that shape the model and layout (compared on load).
+
+        With ``async_save`` and ``sharded``, this returns once the shards are staged and the writer is
+        forked: the checkpoint is published (``meta.json``, rename, ``latest``) by a later :meth:`poll`
+        or :meth:`wait`, and a write error is raised there. A pending save is finalized first
+        (blocking), so at most one is in flight.
         """
+        self.wait()
         rank, world = _rank(), _world()
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp-step_{step}"
@@ -240,14 +331,21 @@ class CheckpointManager:
             dist.all_gather_object(files, {"name": f"rank_{rank}.pt", "bytes": len(data), "sha256": digest})
         else:
             files = [{"name": "rank_0.pt", "bytes": len(data), "sha256": digest}]
-        dist_files = []
+        meta = {"step": step, "world_size": world, "files": files, "fingerprint": dict(fingerprint),
+                "format": 1 if sharded is None else 2}
+        if sharded is not None and self.async_save:
+            t0 = time.perf_counter()
+            self._schedule_sharded(tmp, sharded, self.device)
+            self._pending = _PendingSave(step, tmp, final, meta, time.perf_counter(), time.perf_counter() - t0)
+            return final
         if sharded is not None:
-            dist_files = self._save_sharded(tmp, sharded, self.device)
+            meta["dist_files"] = self._save_sharded(tmp, sharded, self.device)
+        return self._publish(tmp, final, meta)
+
+    def _publish(self, tmp: Path, final: Path, meta: dict) -> Path:
+        """Steps 1 (``meta.json``, rank 0) and 2 of the write protocol, once every file is in ``tmp``."""
+        rank, step = _rank(), meta["step"]
         if rank == 0:
-            meta = {"step": step, "world_size": world, "files": files, "fingerprint": fingerprint,
-                    "format": 1 if sharded is None else 2}
-            if sharded is not None:
-                meta["dist_files"] = dist_files
             atomic_write_bytes(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True).encode())
             _fsync_dir(tmp)
         _barrier()
@@ -270,19 +368,86 @@ class CheckpointManager:
     def _save_sharded(self, tmp: Path, sharded: dict, device) -> list:
         """megatron's collective sharded save into ``tmp/dist``; rank 0 returns [{name, bytes, sha256}]
         of every file written there. A failure on any rank removes ``tmp`` and raises on every rank."""
-        rank = _rank()
         d = tmp / DIST_DIR
         err = ""
         try:
-            if rank == 0:
+            if _rank() == 0:
                 d.mkdir()
             _barrier()
             _dist_save(sharded, d, device)
         except BaseException as e:  # noqa: BLE001
-            # megatron's writer reports an OSError (disk full) as torch's CheckpointException, a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            err = f"writing {d} failed: {getattr(e, 'strerror', None) or str(e).splitlines()[-1][:500]}"
+            err = _write_error(d, e)
+        self._raise_if_any_failed(tmp, err)
+        return self._hash_dist(tmp)
+
+    def _schedule_sharded(self, tmp: Path, sharded: dict, device) -> None:
+        """Plan megatron's asynchronous save into ``tmp/dist`` and fork its writer (collective); a
+        planning failure on any rank removes ``tmp`` and raises on every rank."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        d = tmp / DIST_DIR
+        err = ""
+        try:
+            if _rank() == 0:
+                d.mkdir()
+            _barrier()
+            if self._calls is None:
+                self._calls = AsyncCallsQueue(persistent=False)  # a fork per save: the CPU snapshot
+            _dist_save_async(sharded, d, device, self._calls)
+        except BaseException as e:  # noqa: BLE001
+            err = _write_error(d, e)
+        self._raise_if_any_failed(tmp, err)
+
+    # ------------------------------------------------------------------ async finalize
+    @property
+    def pending_step(self) -> Optional[int]:
+        """The step of the asynchronous save still being written (not yet published), or None."""
+        return self._pending.step if self._pending is not None else None
+
+    def poll(self) -> Optional[Path]:
+        """Publish the pending asynchronous save if every rank's writer has finished; do not wait.
+
+        Collective when a save is pending (one all-reduce of a flag): all ranks call it together, e.g.
+        once per training step. Returns the published directory, or None. Raises
+        :class:`CheckpointError` (on every rank) if the write failed; ``latest`` then stays on the
+        previous checkpoint."""
+        return self._finalize(blocking=False)
+
+    def wait(self) -> Optional[Path]:
+        """Wait for the pending asynchronous save and publish it (collective; a no-op when none is
+        pending): before another save, at the end of training, before exiting on a signal."""
+        return self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> Optional[Path]:
+        p = self._pending
+        if p is None:
+            return None
+        from nemo_fp8rl.models.cpu_schedules import cpu_megatron
+
+        d = p.tmp / DIST_DIR
+        err, done = "", False
+        try:
+            # megatron all-reduces "is any writer alive", then runs the request's finalize functions
+            # (gather of the write results, torch's .metadata and metadata.json on rank 0, failure
+            # broadcast: a CheckpointException on every rank if any rank's writer failed).
+            with cpu_megatron("checkpoint", device=self.device):
+                done = bool(self._calls.maybe_finalize_async_calls(blocking=blocking))
+        except BaseException as e:  # noqa: BLE001
+            err, done = _write_error(d, e), True
+        if not done:  # the same answer on every rank (megatron's all-reduce)
+            return None
+        self._pending = None
+        self._raise_if_any_failed(p.tmp, err)
+        meta = dict(p.meta, dist_files=self._hash_dist(p.tmp))
+        out = self._publish(p.tmp, p.final, meta)
+        if _rank() == 0:
+            logger.info("checkpoint %s published: asynchronous save (save() took %.2f s to stage and fork the "
+                        "writer; published %.2f s later)", out, p.schedule_s, time.perf_counter() - p.scheduled_at)
+        return out
+
+    def _raise_if_any_failed(self, tmp: Path, err: str) -> None:
+        """Collective: if any rank reports ``err``, remove ``tmp`` and raise CheckpointError everywhere."""
+        rank = _rank()
         errs = [err]
         if _world() > 1:
             errs = [None] * _world()
@@ -301,10 +466,14 @@ class CheckpointManager:
                 "intact. Free space or move output_dir."
             )
         _barrier()
-        if rank != 0:
+
+    @staticmethod
+    def _hash_dist(tmp: Path) -> list:
+        """Rank 0: [{name, bytes, sha256}] of every file megatron wrote to ``tmp/dist``; others: []."""
+        if _rank() != 0:
             return []
         out = []
-        for p in sorted(x for x in d.rglob("*") if x.is_file()):
+        for p in sorted(x for x in (tmp / DIST_DIR).rglob("*") if x.is_file()):
             n, h = _sha256_file(p)
             out.append({"name": str(p.relative_to(tmp)), "bytes": n, "sha256": h})
         return out

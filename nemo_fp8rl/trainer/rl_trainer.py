@@ -192,7 +192,8 @@ class RLTrainer:
         dp = self.actor.dp_rank
         self.rollout_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + dp)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 43 + dp)
-        self.ckpt = CheckpointManager(cfg.output_dir, keep_last=cfg.trainer.keep_last)
+        self.ckpt = CheckpointManager(cfg.output_dir, keep_last=cfg.trainer.keep_last,
+                                      async_save=cfg.trainer.async_save)
         self.step_idx = 0
         self.consecutive_skips = 0
         self.skipped_total = 0
@@ -623,10 +624,15 @@ class RLTrainer:
             self.shuffle_gen.set_state(st["rng"]["shuffle"])
             torch.set_rng_state(st["rng"]["torch"])
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, wait: bool = False) -> Path:
+        """Checkpoint this step; with ``trainer.async_save`` it is published later (each step end's
+        ``ckpt.poll()``, the next save) or, ``wait``, before this returns."""
         local, sharded = self._state()
         self.ckpt.device = self.actor.device
-        return self.ckpt.save(self.step_idx, local, model_fingerprint(self.cfg), sharded=sharded)
+        path = self.ckpt.save(self.step_idx, local, model_fingerprint(self.cfg), sharded=sharded)
+        if wait:
+            self.ckpt.wait()
+        return path
 
     # ------------------------------------------------------------------ loop
     def _on_signal(self, signum, _frame) -> None:
@@ -645,15 +651,16 @@ class RLTrainer:
                 step_done = self.step_idx - 1
                 self.logger.log(step_done, metrics)
                 last = metrics
+                self.ckpt.poll()  # publish a finished asynchronous save (collective; no-op if none)
                 if self.consecutive_skips >= t.max_consecutive_skips:
-                    self.save_checkpoint()
+                    self.save_checkpoint(wait=True)
                     raise StopTraining(
                         f"{self.consecutive_skips} consecutive updates had a non-finite loss or gradient and were "
                         f"skipped (trainer.max_consecutive_skips={t.max_consecutive_skips}); checkpoint of the last "
                         f"good state saved at step {self.step_idx}. Lower optim.lr or check the FP8 recipe."
                     )
                 if self.cfg.stability.action == "stop" and self.unstable_steps >= self.cfg.stability.patience:
-                    self.save_checkpoint()
+                    self.save_checkpoint(wait=True)
                     raise StopTraining(
                         f"{self.unstable_steps} consecutive steps flagged unstable (entropy surge above "
                         f"stability.surge_factor={self.cfg.stability.surge_factor} x its lagged baseline, or invalid "
@@ -663,13 +670,14 @@ class RLTrainer:
                         "optim.lr, or set stability.action=warn to continue."
                     )
                 if _should_stop(self._stop_signal):
-                    self.save_checkpoint()
+                    self.save_checkpoint(wait=True)
                     logger.warning("checkpoint saved at step %d after signal; exiting for requeue", self.step_idx)
                     return last
                 if t.checkpoint_interval and self.step_idx % t.checkpoint_interval == 0 and self.step_idx < t.max_steps:
                     self.save_checkpoint()
+            self.ckpt.wait()  # a pending asynchronous save is published before the end is judged
             if self.ckpt.latest_step() != self.step_idx:
-                self.save_checkpoint()
+                self.save_checkpoint(wait=True)
             if self.cfg.model.hf_path:  # the trained policy back in Hugging Face format
                 from nemo_fp8rl.models.hf import save_hf_checkpoint
 
