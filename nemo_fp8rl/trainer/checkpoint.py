@@ -368,35 +368,34 @@ class CheckpointManager:
     def _save_sharded(self, tmp: Path, sharded: dict, device) -> list:
         """megatron's collective sharded save into ``tmp/dist``; rank 0 returns [{name, bytes, sha256}]
         of every file written there. A failure on any rank removes ``tmp`` and raises on every rank."""
+        self._in_dist_dir(tmp, lambda d: _dist_save(sharded, d, device))
+        return self._hash_dist(tmp)
+
+    def _in_dist_dir(self, tmp: Path, write) -> None:
+        """Create ``tmp/dist`` (rank 0), then ``write(tmp/dist)`` on every rank (collective); a failure on
+        any rank removes ``tmp`` and raises on every rank."""
         d = tmp / DIST_DIR
         err = ""
         try:
             if _rank() == 0:
                 d.mkdir()
             _barrier()
-            _dist_save(sharded, d, device)
+            write(d)
         except BaseException as e:  # noqa: BLE001
             err = _write_error(d, e)
         self._raise_if_any_failed(tmp, err)
-        return self._hash_dist(tmp)
 
     def _schedule_sharded(self, tmp: Path, sharded: dict, device) -> None:
         """Plan megatron's asynchronous save into ``tmp/dist`` and fork its writer (collective); a
         planning failure on any rank removes ``tmp`` and raises on every rank."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        d = tmp / DIST_DIR
-        err = ""
-        try:
-            if _rank() == 0:
-                d.mkdir()
-            _barrier()
+        def write(d: Path) -> None:
             if self._calls is None:
                 self._calls = AsyncCallsQueue(persistent=False)  # a fork per save: the CPU snapshot
             _dist_save_async(sharded, d, device, self._calls)
-        except BaseException as e:  # noqa: BLE001
-            err = _write_error(d, e)
-        self._raise_if_any_failed(tmp, err)
+
+        self._in_dist_dir(tmp, write)
 
     # ------------------------------------------------------------------ async finalize
     @property

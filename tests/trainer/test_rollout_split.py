@@ -23,9 +23,9 @@ ARGS = [*TINY, "warmup.steps=0", "fp8=off", "calibration=off", "seed=5", "parall
 
 def _launch(tmp: Path, name: str, *overrides: str) -> tuple[Path, list[dict]]:
     out, rec = tmp / name, tmp / f"{name}_record"
-    env = dict(os.environ, SPLIT_RECORD=str(rec), OMP_NUM_THREADS="1")
+    env = dict(os.environ, ROLLOUT_RECORD=str(rec), ROLLOUT_RECORD_ENGINE="torch", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--log-dir", str(tmp / f"{name}_logs"), "--redirects", "3", str(HERE / "_split_rollout_main.py"), *ARGS,
+           "--log-dir", str(tmp / f"{name}_logs"), "--redirects", "3", str(HERE / "_rollout_record_main.py"), *ARGS,
            f"output_dir={out}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     errs = "\n".join(p.read_text() for p in sorted((tmp / f"{name}_logs").glob("*/attempt_0/*/stderr.log")))

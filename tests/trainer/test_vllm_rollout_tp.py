@@ -28,9 +28,9 @@ ARGS = [*TINY, "warmup.steps=0", "fp8=off", "calibration=off", "seed=5", "parall
 @pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install nemo-fp8rl[vllm])")
 def test_two_tp_ranks_generate_together_with_one_vllm_tp2_engine(tmp_path):
     out, rec = tmp_path / "run", tmp_path / "record"
-    env = dict(os.environ, VLLM_TP_RECORD=str(rec), OMP_NUM_THREADS="1")
+    env = dict(os.environ, ROLLOUT_RECORD=str(rec), ROLLOUT_RECORD_ENGINE="vllm", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--log-dir",
-           str(tmp_path / "logs"), "--redirects", "3", str(HERE / "_vllm_tp_main.py"), *ARGS, f"output_dir={out}"]
+           str(tmp_path / "logs"), "--redirects", "3", str(HERE / "_rollout_record_main.py"), *ARGS, f"output_dir={out}"]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env)
     errs = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*/attempt_0/*/stderr.log")))
     assert proc.returncode == 0, errs[-8000:]
