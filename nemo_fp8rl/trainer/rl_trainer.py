@@ -190,8 +190,8 @@ class RLTrainer:
                                            min_rise=cfg.stability.surge_min_rise)
         # Every random draw of the loop comes from these generators (saved in checkpoints): resume is exact.
         dp = self.actor.dp_rank
-        self.rollout_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + dp)
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 43 + dp)
+        self.rollout_gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "rollout", dp))
+        self.shuffle_gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "shuffle", dp))
         self.ckpt = CheckpointManager(cfg.output_dir, keep_last=cfg.trainer.keep_last,
                                       async_save=cfg.trainer.async_save)
         self.step_idx = 0
@@ -595,10 +595,8 @@ class RLTrainer:
             raise ValueError(f"checkpoint {st.directory} holds the states of DP ranks {sorted(by_dp)} of a DP={old_dp} "
                              "run (rank files missing?); resume from a complete checkpoint")
         task_note = self.task.reshard_state([by_dp[r]["task"] for r in range(old_dp)], a.dp_rank, a.dp_size, step)
-        base = self.cfg.seed * 1000
-        seeds = {"rollout": reshard_seed(base + 17 + a.dp_rank, step),  # 17, 43: the seeds of __init__
-                 "shuffle": reshard_seed(base + 43 + a.dp_rank, step),
-                 "torch": reshard_seed(base + 61 + a.dp_rank, step)}
+        seeds = {name: reshard_seed(_stream_seed(self.cfg.seed, name, a.dp_rank), step)
+                 for name in ("rollout", "shuffle", "torch")}
         self.rollout_gen.manual_seed(seeds["rollout"])
         self.shuffle_gen.manual_seed(seeds["shuffle"])
         torch.set_rng_state(torch.Generator().manual_seed(seeds["torch"]).get_state())  # CPU only, as restored
@@ -702,6 +700,16 @@ def _should_stop(sig: Optional[int]) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
+
+
+_STREAM_SEED_OFFSETS = {"rollout": 17, "shuffle": 43, "torch": 61}
+"""Per-DP-rank random streams of the trainer: seed * 1000 + offset + DP rank (the task's own are + 29)."""
+
+
+def _stream_seed(seed: int, name: str, dp_rank: int) -> int:
+    """The seed of the trainer's ``name`` stream on DP rank ``dp_rank`` (``torch``: only re-seeded when a
+    resume changes the DP size; otherwise torch's CPU RNG is saved and restored)."""
+    return seed * 1000 + _STREAM_SEED_OFFSETS[name] + dp_rank
 
 
 def _merge_groups(parts, chosen, group_size: int, pad_id: int):
