@@ -23,8 +23,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-LAUNCHERS_DIR = Path(__file__).resolve().parent.parent / "launchers"
-LAUNCHER_CONF_DIR = LAUNCHERS_DIR / "conf"
+from nemo_fp8rl.resources import default_launcher_scripts_dir, launcher_conf_dir
+
+LAUNCHER_CONF_DIR = launcher_conf_dir()
 _PROG = "nemo-fp8rl-launch"
 
 
@@ -64,7 +65,7 @@ def plan_stages(cfg, choices: Mapping[str, str]):
     """:func:`nemo_fp8rl.launcher.build_plans` with this checkout's training config and launchers/ dir."""
     from nemo_fp8rl.launcher import build_plans
 
-    return build_plans(cfg, compose_train=compose_train_config, choices=choices, launcher_dir=LAUNCHERS_DIR)
+    return build_plans(cfg, compose_train=compose_train_config, choices=choices, launcher_dir=default_launcher_scripts_dir())
 
 
 def compose_launcher_config(overrides: list[str]) -> tuple[object, dict[str, str]]:

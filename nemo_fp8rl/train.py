@@ -14,7 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+from nemo_fp8rl.resources import conf_dir
+
+CONF_DIR = str(conf_dir())
 logger = logging.getLogger("nemo_fp8rl")
 
 
