@@ -6,13 +6,14 @@
     nemo-fp8rl-launch rl=qwen3_8b_grpo_blockwise cluster.partition=batch cluster.account=my_acct \\
         container=nvcr.io#nvidia/nemo:25.07 rl.model.hf_path=/models/Qwen3-8B rl.task.path=/data/math.jsonl
 
-A Hydra app on ``launchers/conf/`` (NeMo Framework Launcher conventions): ``config.yaml`` picks the
-stages, ``cluster/`` and ``rl/`` are config groups, and ``rl.<key>=<value>`` overrides a key of the
-stage config - ``rl.run.*`` shapes the job, ``rl.config_groups.<group>`` picks a training config
-group, any other ``rl.<key>`` is a training key (``rl.trainer.max_steps=500`` becomes
+A Hydra app on ``nemo_fp8rl/launcher/conf/`` (``launchers/conf/`` in a checkout links to it; NeMo
+Framework Launcher conventions): ``config.yaml`` picks the stages, ``cluster/`` and ``rl/`` are config
+groups, and ``rl.<key>=<value>`` overrides a key of the stage config - ``rl.run.*`` shapes the job,
+``rl.config_groups.<group>`` picks a training config group, any other ``rl.<key>`` is a training key (``rl.trainer.max_steps=500`` becomes
 ``trainer.max_steps=500``; keys the stage YAML does not list are added with ``+rl.<key>=<value>``).
 Everything is checked before anything is written or submitted; a bad input exits with code 2 and one
-message naming the key. See ``docs/launching.md``.
+message naming the key. Results go under ``launcher_scripts_path`` (default: ``launchers/`` in a checkout,
+the current directory for a wheel install). See ``docs/launching.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from nemo_fp8rl.resources import default_launcher_scripts_dir, launcher_conf_dir
+from nemo_fp8rl.resources import default_launcher_scripts_dir, launcher_conf_dir, shown_path
 
 LAUNCHER_CONF_DIR = launcher_conf_dir()
 _PROG = "nemo-fp8rl-launch"
@@ -45,10 +46,11 @@ def compose_train_config(overrides: list[str]):
     for item in overrides:
         group, _, name = item.partition("=")
         if group not in groups:
-            raise ValueError(f"{group}: conf/ has no config group {group!r}; groups: {groups}")
+            raise ValueError(f"{group}: {shown_path(conf)}/ has no config group {group!r}; groups: {groups}")
         if not (conf / group / f"{name}.yaml").is_file():
             options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
-            raise ValueError(f"{group}={name}: there is no conf/{group}/{name}.yaml; choose one of {options}")
+            raise ValueError(f"{group}={name}: there is no {shown_path(conf / group / f'{name}.yaml')}; "
+                             f"choose one of {options}")
     register_schema()
     outer = GlobalHydra.instance()
     outer_hydra = outer.hydra
@@ -62,7 +64,8 @@ def compose_train_config(overrides: list[str]):
 
 
 def plan_stages(cfg, choices: Mapping[str, str]):
-    """:func:`nemo_fp8rl.launcher.build_plans` with this checkout's training config and launchers/ dir."""
+    """:func:`nemo_fp8rl.launcher.build_plans` with the package's training config; ``launcher_scripts_path``
+    defaults to :func:`nemo_fp8rl.resources.default_launcher_scripts_dir` (never inside the package)."""
     from nemo_fp8rl.launcher import build_plans
 
     return build_plans(cfg, compose_train=compose_train_config, choices=choices, launcher_dir=default_launcher_scripts_dir())
@@ -142,8 +145,8 @@ def _unknown_group_choice(argv: list[str]) -> str | None:
         group, name = m.groups()
         if not (LAUNCHER_CONF_DIR / group / f"{name}.yaml").is_file():
             options = sorted(p.stem for p in (LAUNCHER_CONF_DIR / group).glob("*.yaml"))
-            return (f"{group}={name}: there is no launchers/conf/{group}/{name}.yaml; choose one of {options} "
-                    f"(or add a YAML file there)")
+            return (f"{group}={name}: there is no {shown_path(LAUNCHER_CONF_DIR / group / f'{name}.yaml')}; "
+                    f"choose one of {options} (or add a YAML file there)")
     return None
 
 

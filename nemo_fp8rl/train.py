@@ -3,8 +3,9 @@
     nemo-fp8rl-train fp8=blockwise calibration=paper algorithm=dapo trainer.max_steps=50 output_dir=runs/x
     nemo-fp8rl-train -m fp8=tensorwise,blockwise seed=1,2,3        # Hydra multirun sweep
 
-Config groups and every key: ``conf/`` and ``nemo_fp8rl/config/schema.py``. Distributed runs start one
-process per rank (torchrun or SLURM srun); rank setup comes from their environment variables.
+Config groups and every key: ``nemo_fp8rl/conf/`` (``conf/`` in a checkout) and
+``nemo_fp8rl/config/schema.py``. Distributed runs start one process per rank (torchrun or SLURM srun);
+rank setup comes from their environment variables.
 """
 
 from __future__ import annotations

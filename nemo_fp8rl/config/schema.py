@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
 
@@ -44,8 +44,14 @@ class Fp8Config:
     """With first_last_layers_bf16: layers at the start kept high precision."""
     num_layers_at_end_in_bf16: int = 1
     """With first_last_layers_bf16: layers at the end kept high precision."""
+    backend: Optional[str] = None
+    """FP8 GEMM backend: emulate (FP8 values, float32 GEMMs; CPU and GPU) | torch (torch's FP8 GEMMs,
+    torch._scaled_mm: tensorwise/delayed/rowwise/blockwise on sm89+/sm90, tensorwise/delayed on CPU; layers
+    torch cannot run fall back to emulate, counted in the conversion log) | te (Transformer Engine layers,
+    GPU). null = te if Transformer Engine imports on a GPU, else torch on an FP8-capable GPU, else emulate.
+    Checkpoints resume under any backend."""
     use_te: Optional[bool] = None
-    """Transformer Engine layers and FP8 (GPU); null = TE when CUDA and TE are available, else emulation."""
+    """Deprecated spelling of fp8.backend: true = te, false = emulate (an error if it contradicts fp8.backend)."""
 
 
 @dataclass
@@ -203,7 +209,7 @@ class TaskConfig:
     """The verifiable task (conf/task/)."""
 
     name: str = "arithmetic"
-    """arithmetic | math_jsonl."""
+    """arithmetic | math_jsonl | reasoning_gym."""
     digits: int = 3
     """arithmetic: digits per operand."""
     format_reward: float = 0.0
@@ -219,11 +225,27 @@ class TaskConfig:
     max_prompt_len: int = 256
     """math_jsonl: longest prompt in tokens."""
     prompt_template: str = "{prompt}"
-    """math_jsonl: how a row's prompt is shown to the model ({prompt} is replaced)."""
+    """math_jsonl, reasoning_gym: how a row's prompt (a problem's question) is shown to the model
+    ({prompt} is replaced)."""
     shuffle: bool = True
     """math_jsonl: reshuffle the rows every epoch (seeded; the position is saved in checkpoints)."""
     reward_timeout_s: float = 5.0
     """A reward call slower than this scores 0 and counts in reward/errors."""
+    chat_template: bool = True
+    """math_jsonl, reasoning_gym: with a Hugging Face tokenizer (model.hf_path) that has a chat template,
+    wrap each prompt in it (system turn, user turn, generation prompt); false = plain text."""
+    dataset: str = "chain_sum"
+    """reasoning_gym: the reasoning-gym dataset (chain_sum, basic_arithmetic, leg_counting, countdown,
+    gsm_symbolic, ...; unknown names are refused with the list of valid ones)."""
+    dataset_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """reasoning_gym: keyword arguments of the dataset's config, e.g. ``{min_terms: 2, max_terms: 4}``;
+    ``size`` = problems per seeded chunk of the unbounded stream; ``seed`` comes from the run seed."""
+    system_prompt: str = "Put only the final answer in <answer></answer> tags, e.g. <answer>42</answer>."
+    """reasoning_gym: system turn of the chat template (plain text before the prompt without one); it
+    must ask for the answer in answer_tag tags."""
+    answer_tag: str = "answer"
+    """reasoning_gym: the response's last non-empty <answer_tag>...</answer_tag> is the scored answer; a
+    response without one is invalid (rollout/invalid_frac)."""
 
 
 @dataclass
@@ -388,6 +410,20 @@ def _validate_rollout_engine(cfg: TrainConfig) -> None:
             raise ConfigError(str(e)) from None
 
 
+def _resolve_fp8_backend_key(f: Fp8Config) -> None:
+    """Check ``fp8.backend`` and fold the deprecated ``fp8.use_te`` into it (one name per concept)."""
+    if f.backend is not None:
+        _choice("fp8.backend", f.backend, ["emulate", "torch", "te"])
+    if f.use_te is not None:
+        implied = "te" if f.use_te else "emulate"
+        if f.backend is not None and f.backend != implied and not (f.backend == "torch" and not f.use_te):
+            raise ConfigError(f"fp8.use_te={f.use_te} contradicts fp8.backend={f.backend}; fp8.use_te is the "
+                              "deprecated spelling of fp8.backend: remove it and keep fp8.backend")
+        if f.backend is None:
+            f.backend = implied
+        f.use_te = None
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Reject values and combinations that cannot work, naming the key and the fix. Returns cfg."""
     from nemo_fp8rl.fp8 import ROLLOUT_SCHEMES, list_recipes, resolve_recipe
@@ -431,6 +467,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             build_fp8_recipe(cfg)
         except ValueError as e:
             raise ConfigError(_fp8_keys(str(e))) from None
+    _resolve_fp8_backend_key(cfg.fp8)
     _choice("rollout.fp8.scheme", cfg.rollout.fp8.scheme, list(ROLLOUT_SCHEMES))
     if cfg.rollout.temperature <= 0 or not (0 < cfg.rollout.top_p <= 1):
         raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")

@@ -9,18 +9,23 @@ the quantized output gradient and input; the bias gradient is the high-precision
 Delayed scaling keeps per-operand state (``Fp8LinearState``): the scale used at step t comes from the
 amax history of steps < t; the history is recorded only when autograd is recording (training
 forwards and all backwards), never under ``torch.no_grad`` (evaluation/log-prob passes).
+
+``backend="torch"`` (``fp8.backend=torch``, see ``backends.py``) keeps every step above (same quantizer,
+same state, same recorded amaxes, same operand reuse between forward and backward) but hands the FP8
+data and scale-inverses to torch's scaled GEMM instead of multiplying fake-quantized float32 values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from nemo_fp8rl.fp8.quantize import Fp8Stats, compute_scale, fake_quantize
+from nemo_fp8rl.fp8.backends import FP8_BACKENDS, QuantizedOperand, scaled_gemm, torch_fp8_dtype, torch_gemm_support
+from nemo_fp8rl.fp8.quantize import Fp8Stats, compute_scale, fake_quantize, quantize
 from nemo_fp8rl.fp8.recipes import ROLES, Fp8Recipe
 
 logger = logging.getLogger(__name__)
@@ -191,14 +196,127 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+def quantize_operand_fp8(
+    t: torch.Tensor, role: str, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool
+) -> QuantizedOperand:
+    """FP8 data + scale-inverses of one GEMM operand whose reduction dimension is dim 1 (torch backend).
+
+    Same quantizer, arguments and delayed-scaling bookkeeping as :func:`quantize_operand` with
+    ``dim=1``, so ``result.dequantize()`` equals ``quantize_operand(t, role, 1, ...)`` bit for bit
+    (``dequant="scale_inv"``). t: [R, K] -> data [R, K] FP8 (contiguous), scale_inv as in
+    :class:`~nemo_fp8rl.fp8.backends.QuantizedOperand` (K a multiple of the block for 1-D blocks).
+    """
+    fmt = recipe.format_for(role)
+    gran = recipe.granularity_for(role)
+    stats = state.stats if state is not None else None
+    scale = None
+    if recipe.scaling == "delayed":
+        if state is None:
+            raise ValueError("delayed scaling needs an Fp8LinearState (per-layer amax history)")
+        meta = state.delayed[role]
+        scale = meta.scale.to(t.device)
+    data, scale_inv = quantize(
+        t, fmt, gran, dim=1, pow2_scales=recipe.pow2_scales, eps=recipe.amax_epsilon, block=recipe.mx_block,
+        scale=scale, stats=stats,
+    )
+    if scale is not None and record:
+        meta.record_and_update(t.detach().abs().amax(), recipe, role)
+    if gran in ("tensor", "row"):
+        return QuantizedOperand(data.contiguous(), scale_inv, gran)
+    gran = (int(gran[0]), int(gran[1]))
+    if gran[0] == 1:  # [R, K/B, B] -> [R, K]; scale_inv [R, K/B, 1] -> [R, K/B]
+        return QuantizedOperand(data.reshape(data.shape[0], -1).contiguous(), scale_inv[..., 0], gran)
+    rr, cc, br, bc = data.shape  # tiles [R/B, K/B, B, B] -> [R, K]; scale_inv [R/B, K/B, 1, 1] -> [R/B, K/B]
+    return QuantizedOperand(data.permute(0, 2, 1, 3).reshape(rr * br, cc * bc).contiguous(), scale_inv[..., 0, 0], gran)
+
+
+def _pad_rows_to(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad dim 1 of a 2-D tensor to a multiple of ``multiple`` (zeros change no amax and no sum)."""
+    pad = (-t.shape[1]) % multiple
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+def _gemm_out_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    return x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+class _Fp8TorchLinearFn(torch.autograd.Function):
+    """The three GEMMs of :class:`_Fp8LinearFn` on torch's FP8 kernels (``backends.scaled_gemm``).
+
+    forward y = Q(x) Q(W)^T; dgrad dx = Q(dy) Q(W) (W quantized along N, or the forward's W reused for
+    per-tensor scales and 2-D tiles); wgrad dW = Q(dy)^T Q(x), both quantized along the tokens, which
+    are zero-padded to a multiple of 16 (128 for blockwise): the reduction dimension of that GEMM.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool):
+        x2 = x.reshape(-1, x.shape[-1])
+        out_dtype = _gemm_out_dtype(x.dtype)
+        xq = quantize_operand_fp8(x2, "input", recipe, state, record)
+        wq = quantize_operand_fp8(weight, "weight", recipe, state, record)
+        y = scaled_gemm(xq, wq, out_dtype, fast_accum=recipe.accumulation == "fast").float()
+        if bias is not None:
+            y = y + bias.float()
+        per_tensor = recipe.granularity_for("input") == "tensor" and recipe.wgrad_fp8
+        weight_tiles = recipe.granularity_for("weight") not in ("row", "mx")
+        # Same reuse as the emulation: per-tensor inputs and 2-D weight tiles are kept in FP8 for backward.
+        ctx.save_for_backward(
+            xq.data if per_tensor else x2, xq.scale_inv if per_tensor else None,
+            wq.data if weight_tiles else weight, wq.scale_inv if weight_tiles else None,
+        )
+        ctx.reuse_x, ctx.reuse_w, ctx.has_bias = per_tensor, weight_tiles, bias is not None
+        ctx.gran_w = wq.granularity
+        ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype = recipe, state, x.shape, x.dtype
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_saved, x_sinv, w_saved, w_sinv = ctx.saved_tensors
+        recipe, state = ctx.recipe, ctx.state
+        g = grad_y.reshape(-1, grad_y.shape[-1]).float()
+        out_dtype = _gemm_out_dtype(ctx.x_dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            gq = quantize_operand_fp8(g, "grad_output", recipe, state, record=True)  # [M, N] along N
+            if ctx.reuse_w:
+                wq_t = QuantizedOperand(w_saved, w_sinv, ctx.gran_w).t()  # W^T [K, N]
+            else:
+                wq_t = quantize_operand_fp8(w_saved.t(), "weight", recipe, state, record=False)
+            grad_x = scaled_gemm(gq, wq_t, out_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            if recipe.wgrad_fp8:
+                blockwise = isinstance(recipe.granularity_for("grad_output"), tuple)
+                mult = 128 if blockwise else 16
+                per_tensor_g = recipe.granularity_for("grad_output") == "tensor"
+                if per_tensor_g and ctx.needs_input_grad[0]:
+                    gq_w = gq.t()  # dy^T [N, M]
+                else:
+                    g_t = _pad_rows_to(g.t(), mult) if blockwise else g.t()
+                    gq_w = quantize_operand_fp8(g_t, "grad_output", recipe, state, record=not ctx.needs_input_grad[0])
+                if ctx.reuse_x:
+                    xq_w = QuantizedOperand(x_saved, x_sinv, "tensor").t()  # x^T [K, M]
+                else:
+                    x_t = _pad_rows_to(x_saved.t(), mult) if blockwise else x_saved.t()
+                    xq_w = quantize_operand_fp8(x_t, "input", recipe, state, record=False)
+                if not blockwise:
+                    gq_w, xq_w = gq_w.pad_reduction(mult), xq_w.pad_reduction(mult)
+                grad_w = scaled_gemm(gq_w, xq_w, torch.float32)
+            else:
+                grad_w = g.t() @ x_saved.float()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     recipe: Fp8Recipe,
     state: Optional[Fp8LinearState] = None,
+    backend: str = "emulate",
 ) -> torch.Tensor:
-    """Emulated FP8 linear ``y = Q(x) @ Q(W)^T + b`` with FP8 gradients.
+    """FP8 linear ``y = Q(x) @ Q(W)^T + b`` with FP8 gradients (emulated, or on torch's FP8 GEMMs).
 
     Args:
         x: [..., K] input (any float dtype; output has the same dtype).
@@ -206,25 +324,37 @@ def fp8_linear(
         bias: [N] or None (added in high precision).
         recipe: the FP8 recipe (formats, granularity, accumulation).
         state: per-layer state; required for ``delayed`` scaling, collects saturation stats.
+        backend: ``emulate`` (float32 GEMMs of the FP8 values) or ``torch`` (the FP8 data on
+            ``torch._scaled_mm``; the caller checks :func:`~nemo_fp8rl.fp8.backends.torch_gemm_support`).
     Returns:
         y: [..., N]. Backward: dx = Q(dy) @ Q(W), dW = Q(dy)^T @ Q(x) (each along its reduction
         dim), db = sum(dy).
     """
     # Delayed-scaling history is recorded only by forwards that autograd records (training steps).
+    if backend == "torch":
+        return _Fp8TorchLinearFn.apply(x, weight, bias, recipe, state, torch.is_grad_enabled())
+    if backend != "emulate":
+        raise ValueError(f"fp8_linear backend={backend!r}; use 'emulate' or 'torch' ('te' runs TE's own layers)")
     return _Fp8LinearFn.apply(x, weight, bias, recipe, state, torch.is_grad_enabled())
 
 
 class Fp8Linear(torch.nn.Linear):
-    """``torch.nn.Linear`` whose GEMMs run emulated FP8 while ``fp8_enabled`` is True."""
+    """``torch.nn.Linear`` whose GEMMs run FP8 while ``fp8_enabled`` is True.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Fp8Recipe, **kw) -> None:
+    ``fp8_backend``: ``emulate`` or ``torch`` (torch's FP8 GEMMs); the FP8 state (``fp8_state``) does
+    not depend on it, so the backend can change between a save and a resume.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Fp8Recipe,
+                 backend: str = "emulate", **kw) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)
         self.fp8_recipe = recipe
         self.fp8_state = Fp8LinearState(recipe)
         self.fp8_enabled = True
+        self.fp8_backend = backend
 
     @classmethod
-    def from_linear(cls, lin: torch.nn.Linear, recipe: Fp8Recipe) -> "Fp8Linear":
+    def from_linear(cls, lin: torch.nn.Linear, recipe: Fp8Recipe, backend: str = "emulate") -> "Fp8Linear":
         """Wrap an existing linear, sharing its parameters (no copy)."""
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
@@ -234,15 +364,57 @@ class Fp8Linear(torch.nn.Linear):
         new.fp8_recipe = recipe
         new.fp8_state = Fp8LinearState(recipe)
         new.fp8_enabled = True
+        new.fp8_backend = backend
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
-        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_state)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_state, backend=self.fp8_backend)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.fp8_recipe.name}, enabled={self.fp8_enabled}"
+        return (f"{super().extra_repr()}, fp8={self.fp8_recipe.name}, backend={self.fp8_backend}, "
+                f"enabled={self.fp8_enabled}")
+
+
+def layer_backend(recipe: Fp8Recipe, backend: str, device, out_features: int, in_features: int) -> Tuple[str, Optional[str]]:
+    """The GEMM backend one linear runs: ``(backend, fallback_reason)``.
+
+    ``torch`` becomes ``emulate`` (with the reason) for a recipe or shape torch cannot run on ``device``
+    (:func:`~nemo_fp8rl.fp8.backends.torch_gemm_support`); ``emulate`` stays. ``te`` is not a per-layer
+    backend (TE layers are built by the model spec) and raises here.
+    """
+    if backend not in ("emulate", "torch"):
+        raise ValueError(f"per-layer FP8 backend {backend!r}; valid: emulate, torch (of {list(FP8_BACKENDS)})")
+    if backend == "emulate":
+        return "emulate", None
+    reason = torch_gemm_support(recipe, device, out_features, in_features)
+    return ("emulate", reason) if reason else ("torch", None)
+
+
+class ConversionCounter:
+    """Counts what a converter did: layers per backend and the reasons torch layers fell back."""
+
+    def __init__(self, recipe: Fp8Recipe, backend: str) -> None:
+        self.recipe, self.backend = recipe, backend
+        self.converted = self.total = self.torch_gemm = self.emulated_fallback = 0
+        self.fallback_reasons: Dict[str, int] = {}
+
+    def add(self, layer_backend_: str, reason: Optional[str]) -> None:
+        self.converted += 1
+        if layer_backend_ == "torch":
+            self.torch_gemm += 1
+        if reason:
+            self.emulated_fallback += 1
+            self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+
+    def summary(self) -> str:
+        """``backend=torch: 10 on torch FP8 GEMMs, 2 emulated (2x shape [8, 8] is not a multiple of 16)``."""
+        if self.backend == "emulate":
+            return "backend=emulate"
+        why = "; ".join(f"{n}x {r}" for r, n in sorted(self.fallback_reasons.items()))
+        return (f"backend={self.backend}: {self.torch_gemm} on torch FP8 GEMMs, {self.emulated_fallback} emulated"
+                + (f" ({why})" if why else ""))
 
 
 def default_module_filter(module: torch.nn.Module, fqn: str) -> bool:
@@ -257,35 +429,44 @@ def convert_to_fp8(
     module: torch.nn.Module,
     recipe: Fp8Recipe,
     module_filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = default_module_filter,
+    backend: str = "emulate",
 ) -> torch.nn.Module:
-    """Swap every ``torch.nn.Linear`` in ``module`` (in place) for an emulated :class:`Fp8Linear`.
+    """Swap every ``torch.nn.Linear`` in ``module`` (in place) for an :class:`Fp8Linear`.
 
     ``module_filter_fn(linear, fully_qualified_name) -> bool`` picks which to convert (None = all).
-    Parameters are shared, not copied, so optimizers built before conversion keep working. Logs
-    ``converted N/M linear layers``; the counts are also returned on ``module.fp8_conversion``.
+    ``backend``: ``emulate`` or ``torch``; with ``torch`` each layer that torch cannot run on its
+    weight's device falls back to ``emulate`` (:func:`layer_backend`), counted. Parameters are shared,
+    not copied, so optimizers built before conversion keep working. Logs ``converted N/M linear layers``
+    with the backend split; the counts are also returned on ``module.fp8_conversion``.
     """
-    total = converted = 0
+    total = 0
+    counter = ConversionCounter(recipe, backend)
 
     def visit(parent: torch.nn.Module, prefix: str) -> None:
-        nonlocal total, converted
+        nonlocal total
         for name, child in list(parent.named_children()):
             fqn = f"{prefix}.{name}" if prefix else name
             if isinstance(child, Fp8Linear):
                 total += 1
-                converted += 1
+                counter.add(child.fp8_backend, None)
             elif isinstance(child, torch.nn.Linear):
                 total += 1
                 if module_filter_fn is None or module_filter_fn(child, fqn):
-                    setattr(parent, name, Fp8Linear.from_linear(child, recipe))
-                    converted += 1
+                    b, reason = layer_backend(recipe, backend, child.weight.device, child.out_features, child.in_features)
+                    setattr(parent, name, Fp8Linear.from_linear(child, recipe, backend=b))
+                    counter.add(b, reason)
             else:
                 visit(child, fqn)
 
     if isinstance(module, torch.nn.Linear) and not isinstance(module, Fp8Linear):
         raise ValueError("convert_to_fp8 converts the linears inside a module; wrap a bare Linear with Fp8Linear.from_linear")
     visit(module, "")
-    logger.info("FP8 (%s): converted %d/%d linear layers", recipe.name, converted, total)
-    module.fp8_conversion = {"converted": converted, "total": total, "skipped": total - converted}
+    (logger.warning if counter.emulated_fallback else logger.info)("FP8 (%s): converted %d/%d linear layers; %s", recipe.name, counter.converted, total, counter.summary())
+    module.fp8_conversion = {
+        "converted": counter.converted, "total": total, "skipped": total - counter.converted, "backend": backend,
+        "torch_gemm": counter.torch_gemm, "emulated_fallback": counter.emulated_fallback,
+        "fallback_reasons": dict(counter.fallback_reasons),
+    }
     return module
 
 

@@ -2,7 +2,7 @@
 
 Two ways a Megatron GPT runs FP8 here, chosen by the layer spec (``nemo_fp8rl.models.gpt``):
 
-1. **Emulated (CPU default, also runs on GPU).** The local layer spec uses
+1. **Our linears: emulated or on torch's FP8 GEMMs (``fp8.backend`` emulate | torch).** The local layer spec uses
    :class:`Fp8ColumnParallelLinear` / :class:`Fp8RowParallelLinear`, subclasses of megatron's
    ``ColumnParallelLinear`` / ``RowParallelLinear``. Megatron funnels every GEMM of those classes
    through ``_forward_impl(input, weight, bias, ..., allreduce_dgrad, sequence_parallel, tp_group)``;
@@ -10,7 +10,9 @@ Two ways a Megatron GPT runs FP8 here, chosen by the layer spec (``nemo_fp8rl.mo
    unchanged (so the high-precision "shadow" forward is bit-identical to a model built without FP8);
    with ``fp8_enabled`` True it performs the same tensor-parallel communication megatron would
    (identity forward / all-reduce of dgrad for column-parallel, all-gather for sequence parallel) and
-   then calls :func:`nemo_fp8rl.fp8.fp8_linear` on this rank's shard: ``y_r = Q(x) Q(W_r)^T + b_r``.
+   then calls :func:`nemo_fp8rl.fp8.fp8_linear` on this rank's shard: ``y_r = Q(x) Q(W_r)^T + b_r``,
+   with the layer's backend (``torch``: the FP8 data on ``torch._scaled_mm``; the shard's shape decides
+   whether torch can run it, so TP can change which layers fall back).
    Scales are computed from the local shard (per-tensor recipes therefore see the amax of the shard,
    not of the full weight; Transformer Engine reduces delayed-scaling amaxes over the TP group, the
    emulation does not). :func:`apply_fp8_to_megatron_model` attaches a recipe and a per-linear
@@ -44,7 +46,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from nemo_fp8rl.fp8.linear import Fp8LinearState, disable_fp8, fp8_linear
+from nemo_fp8rl.fp8.linear import ConversionCounter, Fp8LinearState, disable_fp8, fp8_linear, layer_backend
 from nemo_fp8rl.fp8.recipes import Fp8Recipe
 
 log = logging.getLogger(__name__)
@@ -56,17 +58,21 @@ class _Fp8ParallelMixin:
     fp8_enabled: bool
     fp8_recipe: Optional[Fp8Recipe]
     fp8_state: Optional[Fp8LinearState]
+    fp8_backend: str
 
     def _init_fp8_attrs(self) -> None:
         self.fp8_enabled = False
         self.fp8_recipe = None
         self.fp8_state = None
+        self.fp8_backend = "emulate"
 
-    def set_fp8(self, recipe: Optional[Fp8Recipe]) -> None:
-        """Attach ``recipe`` (fresh state) and enable FP8, or disable it with ``None``."""
+    def set_fp8(self, recipe: Optional[Fp8Recipe], backend: str = "emulate") -> None:
+        """Attach ``recipe`` (fresh state) and enable FP8 on GEMM ``backend`` (emulate | torch), or disable
+        it with ``None``. The state does not depend on the backend (checkpoints resume under either)."""
         self.fp8_recipe = recipe
         self.fp8_state = Fp8LinearState(recipe) if recipe is not None else None
         self.fp8_enabled = recipe is not None
+        self.fp8_backend = backend
 
     def _fp8_forward(self, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
         """Emulated FP8 GEMM on this rank's shard with megatron's TP communication.
@@ -81,11 +87,11 @@ class _Fp8ParallelMixin:
         if sequence_parallel:
             # All-gather the sequence shards forward, reduce-scatter dx backward.
             input = gather_from_sequence_parallel_region(input, group=tp_group)
-        return fp8_linear(input, weight, bias, self.fp8_recipe, self.fp8_state)
+        return fp8_linear(input, weight, bias, self.fp8_recipe, self.fp8_state, backend=self.fp8_backend)
 
     def extra_repr(self) -> str:
         name = self.fp8_recipe.name if self.fp8_recipe is not None else None
-        return f"fp8={name}, enabled={self.fp8_enabled}"
+        return f"fp8={name}, backend={self.fp8_backend}, enabled={self.fp8_enabled}"
 
 
 class Fp8ColumnParallelLinear(_Fp8ParallelMixin, ColumnParallelLinear):
@@ -155,18 +161,30 @@ class Fp8ConversionReport:
     converted: int
     kept_high_precision: int
     total: int
+    backend: str = "emulate"
+    """The requested GEMM backend (emulate | torch)."""
+    torch_gemm: int = 0
+    """Converted linears that run torch's FP8 GEMMs."""
+    emulated_fallback: int = 0
+    """Converted linears that asked for torch but run the emulation (recipe or shape torch cannot run)."""
+    fallback_reasons: Optional[dict] = None
+    """``{reason: count}`` of those fallbacks."""
 
 
-def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Recipe]) -> Fp8ConversionReport:
-    """Enable the emulated FP8 recipe on every FP8-capable linear of a megatron GPT model (in place).
+def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Recipe],
+                                backend: str = "emulate") -> Fp8ConversionReport:
+    """Enable the FP8 recipe on every FP8-capable linear of a megatron GPT model (in place).
 
     Walks ``model.decoder.layers`` (this stage's layers; ``layer.layer_number`` is the 1-based global
     index). Linears of layers in :func:`bf16_layer_numbers` stay high precision; ``recipe=None``
-    disables FP8 everywhere. Logs ``FP8 (<recipe>): converted N/M linear layers``.
+    disables FP8 everywhere. ``backend``: ``emulate`` or ``torch`` (torch's FP8 GEMMs; a linear whose
+    local shard shape or recipe torch cannot run on its device falls back to the emulation, counted).
+    Logs ``FP8 (<recipe>): converted N/M linear layers ... backend=...``.
     """
     num_layers = model.config.num_layers
     keep = bf16_layer_numbers(recipe, num_layers) if recipe is not None else set()
-    converted = kept = 0
+    kept = 0
+    counter = ConversionCounter(recipe, backend) if recipe is not None else None
     for layer in model.decoder.layers:
         for m in layer.modules():
             if isinstance(m, _Fp8ParallelMixin):
@@ -174,13 +192,22 @@ def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Reci
                     m.set_fp8(None)
                     kept += 1
                 else:
-                    m.set_fp8(recipe)
-                    converted += 1
+                    out_f, in_f = m.weight.shape
+                    b, reason = layer_backend(recipe, backend, m.weight.device, out_f, in_f)
+                    m.set_fp8(recipe, backend=b)
+                    counter.add(b, reason)
+    converted = counter.converted if counter is not None else 0
     total = converted + kept
     if recipe is not None:
-        log.info("FP8 (%s, emulated): converted %d/%d linear layers on this stage (%d kept high precision; "
-                 "embedding and LM head always high precision)", recipe.name, converted, total, kept)
-    return Fp8ConversionReport(converted=converted, kept_high_precision=kept, total=total)
+        (log.warning if counter.emulated_fallback else log.info)("FP8 (%s): converted %d/%d linear layers on this stage (%d kept high precision; "
+                 "embedding and LM head always high precision); %s", recipe.name, converted, total, kept,
+                 counter.summary())
+    return Fp8ConversionReport(
+        converted=converted, kept_high_precision=kept, total=total, backend=backend,
+        torch_gemm=counter.torch_gemm if counter else 0,
+        emulated_fallback=counter.emulated_fallback if counter else 0,
+        fallback_reasons=dict(counter.fallback_reasons) if counter else {},
+    )
 
 
 @contextlib.contextmanager

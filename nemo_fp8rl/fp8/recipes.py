@@ -154,7 +154,7 @@ class Fp8Recipe:
         if self.scaling == "rowwise":
             raise ValueError(
                 "fp8 recipe 'rowwise' has no Transformer Engine/Megatron equivalent (it is torchao's recipe); "
-                "use fp8=tensorwise, blockwise or mxfp8 on GPU, or run the emulation (fp8.use_te=false)"
+                "use fp8=tensorwise, blockwise or mxfp8 on GPU, or fp8.backend=torch|emulate (our linears)"
             )
         kw: Dict[str, object] = {
             "fp8": self.fp8_format,

@@ -34,7 +34,7 @@ def require_te():
         raise RuntimeError(
             "Transformer Engine is not available "
             f"({type(e).__name__}: {e}). Install the GPU extra on a CUDA machine "
-            "(pip install 'nemo-fp8rl[gpu]') or use the emulated FP8 path (fp8.use_te=false)."
+            "(pip install 'nemo-fp8rl[gpu]') or use fp8.backend=torch (torch's FP8 GEMMs) or fp8.backend=emulate."
         ) from e
     return te, te_recipe
 

@@ -828,9 +828,9 @@ def describe(cfg, options: PlanOptions, plan: MemoryPlan) -> str:
         f"{plan.in_flight} in flight on stage {plan.stage} (the most loaded, shown)",
         f"device {where}" + (f", headroom {options.headroom:.0%} (assumed)" if options.device == "gpu" else ""),
     ]
-    if options.device == "gpu" and cfg.fp8.use_te is False and cfg.fp8.recipe not in (None, "off"):
-        lines.append("fp8.use_te=false: the emulated FP8 spec on a GPU keeps float32 copies as the CPU profile "
-                     "does (--device cpu); this GPU profile models Transformer Engine")
+    if options.device == "gpu" and cfg.fp8.backend in ("emulate", "torch") and cfg.fp8.recipe not in (None, "off"):
+        lines.append(f"fp8.backend={cfg.fp8.backend}: our FP8 linears on a GPU keep float32 master copies as the CPU "
+                     "profile does (--device cpu); this GPU profile models Transformer Engine")
     if options.device == "gpu":
         if plan.rollout is None:
             lines.append(f"rollout engine {cfg.rollout.engine!r}: runs on the host today (no GPU memory); "
@@ -855,8 +855,8 @@ _USAGE = f"""{_PROG} [options] OVERRIDE...
 
 Per-GPU memory of a training config, by component, for BF16 and each FP8 recipe side by side, with both
 optimizer paths, and whether it fits a GPU. OVERRIDEs are either training overrides, as for
-nemo-fp8rl-train (config groups and keys of conf/: model=qwen3_32b parallel=tp8_pp2 fp8=blockwise
-parallel.micro_batch_size=1 ...; data-parallel size from --world-size), or launcher overrides, as for
+nemo-fp8rl-train (config groups and keys of nemo_fp8rl/conf/: model=qwen3_32b parallel=tp8_pp2
+fp8=blockwise parallel.micro_batch_size=1 ...; data-parallel size from --world-size), or launcher overrides, as for
 nemo-fp8rl-launch (rl=<stage> rl.<key>=... ; the job shape gives DP; required paths may be omitted).
 Exit code 0: the config's own arm fits; 1: it does not (the message names knobs that would fit); 2: bad input.
 

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from nemo_fp8rl.resources import PACKAGE_DIR, conf_dir, launcher_conf_dir, shown_path
+
 #: Stages the launcher knows: name -> what it runs. A stage's config group has the same name.
 STAGES: dict[str, str] = {
-    "rl": "RL training with nemo_fp8rl.train (configs: launchers/conf/rl/<model>_<algo>_<fp8>.yaml)",
+    "rl": "RL training with nemo_fp8rl.train (configs: nemo_fp8rl/launcher/conf/rl/<model>_<algo>_<fp8>.yaml)",
 }
 #: ``slurm``: write a submission script and sbatch it; ``local``: torchrun on this machine.
 CLUSTER_TYPES = ("slurm", "local")
@@ -199,7 +201,13 @@ def parse_time_limit(value: Any, key: str = "run.time_limit") -> int:
 
 
 def _stage_file(stage: str, config_name: str) -> str:
-    return f"launchers/conf/{stage}/{config_name}.yaml"
+    """The stage YAML as messages name it (:func:`nemo_fp8rl.resources.shown_path`)."""
+    return _launcher_file(stage, f"{config_name}.yaml")
+
+
+def _launcher_file(*parts: str) -> str:
+    """A file or directory of the launcher's config tree as messages name it."""
+    return shown_path(launcher_conf_dir().joinpath(*parts))
 
 
 def _int(value: Any, key: str, minimum: int) -> int:
@@ -245,8 +253,8 @@ def _check_missing(cfg, choices: Mapping[str, str]) -> None:
     for k in missing:
         top = k.split(".", 1)[0].split("[", 1)[0]
         where = _stage_file(top, choices.get(top, "<name>")) if top in STAGES else (
-            f"launchers/conf/cluster/{choices.get('cluster', 'slurm')}.yaml" if top == "cluster"
-            else "launchers/conf/config.yaml")
+            _launcher_file("cluster", f"{choices.get('cluster', 'slurm')}.yaml") if top == "cluster"
+            else _launcher_file("config.yaml"))
         lines.append(f"{k} (from {where})")
     example = missing[0]
     raise LaunchError(
@@ -270,9 +278,9 @@ def _cluster(raw: Any) -> ClusterSettings:
     if raw is None:
         return ClusterSettings()
     if not isinstance(raw, dict):
-        raise LaunchError(f"cluster={raw!r} must be a mapping (launchers/conf/cluster/slurm.yaml)")
+        raise LaunchError(f"cluster={raw!r} must be a mapping ({_launcher_file('cluster', 'slurm.yaml')})")
     known = [f.name for f in fields(ClusterSettings)]
-    _unknown_keys(raw, known, "cluster", "the cluster config (launchers/conf/cluster/)")
+    _unknown_keys(raw, known, "cluster", f"the cluster config ({_launcher_file('cluster')}/)")
     srun_args = raw.get("srun_args") or []
     if isinstance(srun_args, str) or not isinstance(srun_args, list) or not all(isinstance(a, str) for a in srun_args):
         raise LaunchError(f"cluster.srun_args={srun_args!r} must be a list of strings, e.g. ['--mpi=pmix']")
@@ -346,7 +354,8 @@ def _train_config(raw: dict, stage: str, where: str, results_dir: Path,
 
     groups = raw.get("config_groups") or {}
     if not isinstance(groups, dict) or not all(isinstance(v, str) for v in groups.values()):
-        raise LaunchError(f"{stage}.config_groups in {where} must map config groups of conf/ to option names, "
+        raise LaunchError(f"{stage}.config_groups in {where} must map config groups of {shown_path(conf_dir())}/ "
+                          "to option names, "
                           "e.g. {model: tiny, fp8: blockwise}")
     overrides = {k: v for k, v in raw.items() if k not in ("run", "config_groups")}
     for k, why in _OWNED.items():
@@ -364,7 +373,7 @@ def _train_config(raw: dict, stage: str, where: str, results_dir: Path,
         first = str(e).strip().splitlines()[0]  # OmegaConf appends full_key/object_type lines
         raise LaunchError(
             f"{stage}.{key} ({where} or the command line): {first}; the training keys and their types are in "
-            "nemo_fp8rl/config/schema.py (TrainConfig)"
+            f"{shown_path(PACKAGE_DIR / 'config' / 'schema.py')} (TrainConfig)"
         ) from None
     merged.output_dir = str(results_dir)
     merged.resume = True
@@ -489,7 +498,9 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
         compose_train: ``overrides -> DictConfig`` composing ``conf/config.yaml`` of the trainer
             with config-group overrides such as ``["model=tiny", "fp8=blockwise"]``.
         choices: the config-group choices of the launcher config (``{"rl": "tiny_grpo_blockwise", ...}``).
-        launcher_dir: the ``launchers/`` directory (the default of ``launcher_scripts_path``).
+        launcher_dir: the default of ``launcher_scripts_path``
+            (:func:`nemo_fp8rl.resources.default_launcher_scripts_dir`: ``launchers/`` in a checkout, the
+            current directory for a wheel install, never inside the installed package).
 
     Raises:
         LaunchError: the first problem found, naming the key, the file and the fix.
@@ -515,13 +526,13 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
     for s in stage_list:
         if s not in STAGES:
             raise LaunchError(f"stages: unknown stage {s!r}; known stages: {sorted(STAGES)} "
-                              "(launchers/conf/config.yaml, or stages=[rl] on the command line)")
+                              f"({_launcher_file('config.yaml')}, or stages=[rl] on the command line)")
     if len(set(stage_list)) != len(stage_list):
         raise LaunchError(f"stages={stage_list}: a stage is listed twice")
     stage_set = set(STAGES)
     unknown = sorted(k for k in data if k not in _TOP_KEYS and k not in stage_set)
     if unknown:
-        raise LaunchError(f"launchers/conf/config.yaml: unknown top-level key(s) {unknown}; valid keys: "
+        raise LaunchError(f"{_launcher_file('config.yaml')}: unknown top-level key(s) {unknown}; valid keys: "
                           f"{sorted(_TOP_KEYS)} and the stage groups {sorted(STAGES)}")
 
     cluster_type = data.get("cluster_type")
@@ -549,7 +560,7 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
     launcher = data.get("launcher") or {}
     if not isinstance(launcher, dict):
         raise LaunchError(f"launcher={launcher!r} must be a mapping (dry_run, python)")
-    _unknown_keys(launcher, ("dry_run", "python", "memory_plan"), "launcher", "launchers/conf/config.yaml")
+    _unknown_keys(launcher, ("dry_run", "python", "memory_plan"), "launcher", _launcher_file("config.yaml"))
     dry_run = launcher.get("dry_run", False)
     if not isinstance(dry_run, bool):
         raise LaunchError(f"launcher.dry_run={dry_run!r} must be true or false")
@@ -572,7 +583,7 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
         raw = data.get(stage)
         if not isinstance(raw, dict):
             raise LaunchError(f"stage {stage!r} has no config; select one with {stage}=<name> (files in "
-                              f"launchers/conf/{stage}/)")
+                              f"{_launcher_file(stage)}/)")
         run = _run(raw.get("run"), stage, where)
         train = _train_config(raw, stage, where, run.results_dir, compose_train)
         _check_layout(run, train, stage, cluster_type)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from nemo_fp8rl.algorithms.metrics import Metric, make_metric, reduce_metrics
 from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
 from nemo_fp8rl.models.cpu_schedules import cpu_pipeline_schedules
-from nemo_fp8rl.models.gpt import build_gpt_model, padded_vocab_size, resolve_use_te
+from nemo_fp8rl.models.gpt import build_gpt_model, padded_vocab_size, resolve_model_fp8_backend
 from nemo_fp8rl.models.hf_weights import (
     count_parameters,
     hf_names,
@@ -98,6 +98,8 @@ class FP8Actor:
         self.parallel_cfg = parallel_cfg
         self.fp8_recipe = fp8_recipe
         self.use_te = use_te
+        # the GEMM backend of the FP8 linears: te (TE layers), else the report's emulate | torch
+        self.fp8_backend = "te" if use_te else (fp8_report.backend if fp8_report is not None else "emulate")
         self.optimizer = optimizer
         self.ddp = ddp  # megatron DistributedDataParallel wrapper (distributed optimizer), else None
         self.grad_clip = grad_clip
@@ -603,6 +605,7 @@ def build_actor(
     use_te: Optional[bool] = None,
     device: "str | torch.device | None" = None,
     distributed_optimizer: Optional[bool] = None,
+    fp8_backend: Optional[str] = None,
 ) -> FP8Actor:
     """Initialise distributed state, build this rank's GPT stage, initialise weights, build the optimizer.
 
@@ -611,7 +614,9 @@ def build_actor(
 
     Args:
         fp8_recipe: an :class:`~nemo_fp8rl.fp8.Fp8Recipe` or None (high precision).
-        use_te: None = Transformer Engine spec when CUDA + TE are available, else the emulated spec.
+        use_te: None = Transformer Engine spec when CUDA + TE are available, else our linears.
+        fp8_backend: ``fp8.backend``: None (auto: te, else torch on an FP8 GPU, else emulate) | emulate |
+            torch | te (:func:`~nemo_fp8rl.models.gpt.resolve_model_fp8_backend`).
         keep_reference: keep the initial weights on CPU for :meth:`FP8Actor.get_reference_logprobs`.
         device: None = CUDA when available, else CPU; ``"cpu"`` runs the CPU path on a GPU machine.
         distributed_optimizer: megatron's DDP + distributed optimizer (Adam state sharded over DP; BF16
@@ -642,7 +647,8 @@ def build_actor(
             "model.params_dtype=float32 (BF16 compute on GPU comes from autocast, FP8 from the recipe)"
         )
     init_distributed(parallel_cfg, model_cfg, device=device)
-    use_te = resolve_use_te(use_te, device)
+    fp8_backend = resolve_model_fp8_backend(fp8_backend, use_te, device)
+    use_te = fp8_backend == "te"
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -656,7 +662,7 @@ def build_actor(
         build_cfg = model_cfg
         if distributed_optimizer and device.type == "cuda":
             build_cfg = dataclasses.replace(model_cfg, params_dtype="bfloat16")
-        model, report = build_gpt_model(build_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te,
+        model, report = build_gpt_model(build_cfg, parallel_cfg, fp8_recipe=fp8_recipe, fp8_backend=fp8_backend,
                                         device=device)
     device = next(model.parameters()).device
     init = init_hf_state_dict(model_cfg, seed, stage_hf_names(model, model_cfg), device=device)

@@ -63,6 +63,28 @@ def resolve_use_te(use_te: Optional[bool], device: "torch.device | None" = None)
     return bool(use_te)
 
 
+def resolve_model_fp8_backend(fp8_backend: Optional[str], use_te: Optional[bool],
+                              device: "torch.device | None" = None) -> str:
+    """``fp8.backend`` (or the older ``use_te`` switch) -> ``te`` | ``torch`` | ``emulate`` for a model on ``device``.
+
+    ``fp8_backend=None`` with ``use_te=None``: ``te`` when Transformer Engine imports on a GPU, else
+    ``torch`` on an FP8-capable GPU, else ``emulate``. ``use_te=True`` means ``te``, ``False`` the
+    local spec with the given (or the automatic non-TE) backend.
+    """
+    from nemo_fp8rl.fp8.backends import resolve_fp8_backend
+
+    if fp8_backend == "te" or use_te:
+        resolve_use_te(True, device)  # raises naming what is missing
+        if fp8_backend not in (None, "te"):
+            raise ValueError(f"use_te=True contradicts fp8.backend={fp8_backend!r}; set only fp8.backend")
+        return "te"
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    te_ok = use_te is None and device.type == "cuda" and te_available()
+    return resolve_fp8_backend(fp8_backend, device, te_available=te_ok)
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size``."""
     multiple = max(1, divisible_by) * tp
@@ -178,9 +200,11 @@ def build_gpt_model(
     fp8_recipe=None,
     use_te: Optional[bool] = None,
     device: "torch.device | str | None" = None,
+    fp8_backend: Optional[str] = None,
 ):
     """Build this rank's stage of the GPT (init_distributed must have run) on ``device`` (None = CUDA
-    when available).
+    when available). ``fp8_backend``/``use_te``: see :func:`resolve_model_fp8_backend` (``te`` builds the
+    Transformer Engine spec, ``emulate``/``torch`` our linears with that GEMM backend).
 
     Returns:
         ``(model, report)``: a megatron ``GPTModel`` on the current device (float parameters, not yet
@@ -195,7 +219,8 @@ def build_gpt_model(
     from nemo_fp8rl.models.spec import CpuRotaryEmbedding, local_fp8_layer_spec, te_layer_spec
 
     device = resolve_device(device)
-    use_te = resolve_use_te(use_te, device)
+    backend = resolve_model_fp8_backend(fp8_backend, use_te, device)
+    use_te = backend == "te"
     if fp8_recipe is not None and use_te:
         from nemo_fp8rl.fp8.te import check_block_scale_env
 
@@ -241,12 +266,18 @@ def build_gpt_model(
         )
     else:
         model.cuda(torch.cuda.current_device())
-    report = None if use_te else apply_fp8_to_megatron_model(model, fp8_recipe)
+    if use_te:
+        report = None
+        if fp8_recipe is not None:
+            log.info("FP8 (%s): Transformer Engine layers (backend=te)", fp8_recipe.name)
+    else:
+        report = apply_fp8_to_megatron_model(model, fp8_recipe, backend=backend)
     return model, report
 
 
 __all__ = [
     "te_available",
+    "resolve_model_fp8_backend",
     "resolve_use_te",
     "padded_vocab_size",
     "validate_model_config",

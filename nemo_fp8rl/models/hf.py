@@ -253,6 +253,8 @@ def _same(a, b) -> bool:
 def resolve_model_config(model_cfg: ModelConfig) -> ModelConfig:
     """``model_cfg`` with its shape filled from ``model_cfg.hf_path``'s config.json (unchanged without hf_path).
 
+    ``hf_path: registry:NAME`` is first replaced by the cached directory of registry model NAME
+    (:func:`nemo_fp8rl.models.registry.resolve_hf_path`; fetched on first use).
     Fields still at the ``ModelConfig`` dataclass default are filled; explicitly set fields must agree
     with the checkpoint. ``name`` becomes the checkpoint's ``model_type`` when it is still the default.
     Idempotent.
@@ -263,6 +265,10 @@ def resolve_model_config(model_cfg: ModelConfig) -> ModelConfig:
     """
     if not model_cfg.hf_path:
         return model_cfg
+    if model_cfg.hf_path.startswith("registry:"):  # a registry model: its cached directory (fetched once)
+        from nemo_fp8rl.models.registry import resolve_hf_path
+
+        model_cfg = dataclasses.replace(model_cfg, hf_path=resolve_hf_path(model_cfg.hf_path))
     config_json = read_hf_config(model_cfg.hf_path)
     where = str(Path(model_cfg.hf_path) / "config.json")
     fields = hf_config_to_model_fields(config_json, where)
@@ -612,7 +618,7 @@ def load_hf_policy(
 
     ``model_cfg`` is resolved with :func:`resolve_model_config` (idempotent, so an already resolved
     config is fine), the actor is built by :func:`~nemo_fp8rl.models.build_actor` (``build_kwargs``:
-    ``weight_decay``, ``adam_betas``, ``adam_eps``, ``grad_clip``, ``use_te``, ``device``), the weights
+    ``weight_decay``, ``adam_betas``, ``adam_eps``, ``grad_clip``, ``fp8_backend``, ``device``), the weights
     are loaded by :func:`load_hf_weights`, and only then is the reference policy snapshotted
     (``keep_reference``), so the reference is the checkpoint. ``actor.model_cfg`` keeps ``hf_path``
     (so :func:`save_hf_checkpoint` finds the tokenizer and config to copy). Collective over the job.

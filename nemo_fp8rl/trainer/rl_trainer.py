@@ -126,7 +126,7 @@ class RLTrainer:
         self.actor = (load_hf_policy if cfg.model.hf_path else build_actor)(
             self.model_cfg, cfg.parallel, fp8_recipe=self.recipe, seed=cfg.seed, lr=cfg.optim.lr,
             weight_decay=cfg.optim.weight_decay, adam_betas=(cfg.optim.beta1, cfg.optim.beta2),
-            grad_clip=cfg.optim.grad_clip, keep_reference=False, use_te=cfg.fp8.use_te,
+            grad_clip=cfg.optim.grad_clip, keep_reference=False, fp8_backend=cfg.fp8.backend,
             distributed_optimizer=cfg.optim.distributed,
         )
         self.rank = dist.get_rank() if dist.is_initialized() else 0

@@ -88,7 +88,7 @@ def run_warmup(cfg: TrainConfig, model_cfg: ModelConfig, task) -> Optional[Dict[
     t0 = time.time()
     build = load_hf_policy if model_cfg.hf_path else build_actor  # SFT starts from the checkpoint
     actor = build(model_cfg, cfg.parallel, fp8_recipe=None, seed=cfg.seed, lr=w.lr,
-                  grad_clip=cfg.optim.grad_clip, use_te=cfg.fp8.use_te)
+                  grad_clip=cfg.optim.grad_clip, fp8_backend=cfg.fp8.backend)
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + 1 + actor.dp_rank)
     # the same held-out demonstrations on every rank (the check's decision must agree across ranks)
     eval_tokens, eval_mask = task.warmup_examples(w.eval_size, torch.Generator().manual_seed(cfg.seed * 7919 + 2))

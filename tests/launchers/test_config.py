@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from nemo_fp8rl.launcher import LaunchError, parse_time_limit
+from nemo_fp8rl.resources import checkout_dir, conf_dir, default_launcher_scripts_dir, launcher_conf_dir, shown_path
 
 from ._launch import GPU_REQUIRED, REPO, launch_cli, plans
 
@@ -106,6 +107,19 @@ def test_relative_results_dir_is_made_absolute(tmp_path, monkeypatch):
     assert plan.results_dir == tmp_path / "runs" / "launch" / "tiny_grpo_bf16"
 
 
+def test_checkout_defaults_and_the_paths_messages_name():
+    # wheel installs (no checkout): tests/packaging/test_wheel_install.py
+    assert checkout_dir() == REPO
+    assert default_launcher_scripts_dir() == REPO / "launchers"
+    (plan,) = plans("rl=tiny_grpo_bf16")  # no base_results_dir: launcher_scripts_path's results/
+    assert plan.results_dir == REPO / "launchers" / "results" / "tiny_grpo_bf16"
+    assert shown_path(launcher_conf_dir() / "rl" / "x.yaml") == "nemo_fp8rl/launcher/conf/rl/x.yaml"
+    assert shown_path(conf_dir() / "fp8") == "nemo_fp8rl/conf/fp8"
+    assert (REPO / shown_path(conf_dir() / "config.yaml")).is_file()
+    with pytest.raises(ValueError, match="not inside the package directory"):
+        shown_path(REPO / "README.md")
+
+
 def test_time_limit_forms():
     assert parse_time_limit(30) == 1800
     assert parse_time_limit("45") == 2700
@@ -122,7 +136,8 @@ def test_time_limit_forms():
 BAD = [
     # (overrides, words the one message must contain)
     (["rl=qwen3_8b_grpo_blockwise"],
-     ["missing required key(s)", "rl.model.hf_path", "rl.task.path", "launchers/conf/rl/qwen3_8b_grpo_blockwise.yaml"]),
+     ["missing required key(s)", "rl.model.hf_path", "rl.task.path",
+      "(from nemo_fp8rl/launcher/conf/rl/qwen3_8b_grpo_blockwise.yaml)"]),
     (["stages=[rl,sft]"], ["stages: unknown stage 'sft'", "['rl']"]),
     (["stages=[]"], ["stages=[]", "non-empty"]),
     (["rl.run.ntasks_per_node=3"],
@@ -145,8 +160,10 @@ BAD = [
                                    "nemo_fp8rl/config/schema.py"]),
     (["rl.trainer.max_steps=many"], ["rl.trainer.max_steps", "'many'", "Integer"]),
     (["+rl.algorithm.eps_low=1.5"], ["rl.algorithm.eps_low=1.5 must be in (0, 1)", "tiny_grpo_blockwise.yaml"]),
-    (["rl.config_groups.fp8=fp4"], ["rl.config_groups.fp8=fp4: there is no conf/fp8/fp4.yaml", "'blockwise'"]),
-    (["+rl.config_groups.optimizer=adam"], ["rl.config_groups.optimizer: conf/ has no config group 'optimizer'"]),
+    (["rl.config_groups.fp8=fp4"],
+     ["rl.config_groups.fp8=fp4: there is no nemo_fp8rl/conf/fp8/fp4.yaml;", "'blockwise'"]),
+    (["+rl.config_groups.optimizer=adam"],
+     ["rl.config_groups.optimizer: nemo_fp8rl/conf/ has no config group 'optimizer'"]),
     (["rl.config_groups.fp8=off"], ["calibration is on but training FP8 is off"]),
     (["cluster_type=k8s"], ["cluster_type='k8s'", "['slurm', 'local']"]),
     (["cluster.partition=a b"], ["cluster.partition='a b'", "whitespace"]),
@@ -177,7 +194,7 @@ def test_bad_input_on_the_command_line_exits_2_before_writing_anything(tmp_path)
 
     proc = launch_cli(f"base_results_dir={base}", "rl=tiny_fp4")  # a stage config that does not exist
     assert proc.returncode == 2
-    assert "rl=tiny_fp4: there is no launchers/conf/rl/tiny_fp4.yaml; choose one of [" in proc.stderr
+    assert "rl=tiny_fp4: there is no nemo_fp8rl/launcher/conf/rl/tiny_fp4.yaml; choose one of [" in proc.stderr
     assert "'tiny_grpo_blockwise'" in proc.stderr and not base.exists()
 
     proc = launch_cli(f"base_results_dir={base}", "rl=qwen2_5_32b_dapo_blockwise")
