@@ -15,6 +15,12 @@ multiply by ``M / amax``:
 * ``off``: high precision.
 
 Rollout and trainer log-probs therefore disagree even at identical weights (DESIGN.md section 5).
+
+Real FP8 GEMMs: ``weight_fp8`` / ``activation_fp8`` return the same values as FP8 data plus
+scale-inverses (:class:`~nemo_fp8rl.fp8.backends.QuantizedOperand`, ``dequantize()`` equals
+``quantize_weight`` / ``quantize_activation`` bit for bit), which the torch rollout engine hands to
+torch's scaled GEMM on a GPU (``vllm_w8a8``: row-wise x row-wise, the per-tensor weight scale repeated
+per output row, as vLLM's per-token kernel does; ``vllm_block``: 1x128 x 128x128).
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from typing import Optional
 
 import torch
 
+from nemo_fp8rl.fp8.backends import QuantizedOperand, torch_gemm_support
 from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8
 from nemo_fp8rl.fp8.quantize import _blocks_1d, _blocks_2d, _unblocks_2d, fake_quantize
-from nemo_fp8rl.fp8.recipes import Fp8Recipe
+from nemo_fp8rl.fp8.recipes import Fp8Recipe, get_recipe
 
 _VLLM_MIN_SCALE = 1.0 / (448.0 * 512.0)
 _BLOCK_EPS = 1e-10
@@ -48,6 +55,10 @@ class RolloutScheme:
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
         """Activation [..., K] -> its FP8 read-back value (float32)."""
         return x.float()
+
+    def torch_gemm_support(self, device, out_features: int, in_features: int) -> Optional[str]:
+        """Why torch's FP8 GEMM cannot run this scheme for a [out, in] linear on ``device`` (None = it can)."""
+        return f"rollout FP8 scheme {self.name!r} has no FP8 GEMM (it runs emulated)"
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +86,22 @@ class VllmW8A8(RolloutScheme):
         s = (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=_VLLM_MIN_SCALE)
         return _divide_quant(xf, s)
 
+    def weight_fp8(self, w: torch.Tensor) -> QuantizedOperand:
+        """W [N, K] -> E4M3 ``sat(W / s_w)`` and s_w repeated per row ([N, 1]: row-wise GEMM layout)."""
+        wf = w.float()
+        s = wf.abs().amax() / 448.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return QuantizedOperand(cast_to_fp8(wf / s, E4M3).contiguous(), s.expand(wf.shape[0], 1).contiguous(), "row")
+
+    def activation_fp8(self, x: torch.Tensor) -> QuantizedOperand:
+        """x [M, K] -> E4M3 ``sat(x / s_x)`` with per-token s_x [M, 1]."""
+        xf = x.float()
+        s = (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=_VLLM_MIN_SCALE)
+        return QuantizedOperand(cast_to_fp8(xf / s, E4M3).contiguous(), s, "row")
+
+    def torch_gemm_support(self, device, out_features: int, in_features: int) -> Optional[str]:
+        return torch_gemm_support(get_recipe("rowwise"), device, out_features, in_features)
+
 
 class VllmBlock(RolloutScheme):
     """128x128 weight tiles, dynamic 1x128 activation groups (DeepSeek-style block FP8)."""
@@ -98,6 +125,28 @@ class VllmBlock(RolloutScheme):
         groups, k = _blocks_1d(xf, self.block)
         s = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_BLOCK_EPS) / 448.0
         return _divide_quant(groups, s).reshape(*xf.shape[:-1], -1)[..., :k]
+
+    def weight_fp8(self, w: torch.Tensor) -> QuantizedOperand:
+        """W [N, K] (multiples of the block) -> E4M3 data [N, K] and tile scales [N/B, K/B]."""
+        wf = w.float()
+        tiles = _blocks_2d(wf, self.block, self.block)
+        s = tiles.abs().amax(dim=(-2, -1), keepdim=True) / 448.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        data = _unblocks_2d(cast_to_fp8(tiles / s, E4M3), *wf.shape)
+        return QuantizedOperand(data.contiguous(), s[..., 0, 0].contiguous(), (self.block, self.block))
+
+    def activation_fp8(self, x: torch.Tensor) -> QuantizedOperand:
+        """x [M, K] (K a multiple of the block) -> E4M3 data [M, K] and group scales [M, K/B]."""
+        xf = x.float()
+        groups, _ = _blocks_1d(xf, self.block)
+        s = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_BLOCK_EPS) / 448.0
+        data = cast_to_fp8(groups / s, E4M3).reshape(xf.shape[0], -1)
+        return QuantizedOperand(data.contiguous(), s[..., 0].contiguous(), (1, self.block))
+
+    def torch_gemm_support(self, device, out_features: int, in_features: int) -> Optional[str]:
+        if self.block != 128:
+            return f"vllm_block with {self.block}-blocks: torch runs 128 only"
+        return torch_gemm_support(get_recipe("blockwise"), device, out_features, in_features)
 
 
 class SameAsTrain(RolloutScheme):

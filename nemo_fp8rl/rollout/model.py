@@ -31,6 +31,11 @@ checkpoint online, q/k/v and gate/up are *fused* before quantization (vLLM's ``Q
 ``MergedColumnParallelLinear`` hold one weight tensor and ``scaled_fp8_quant`` gives it one per-tensor
 scale), so a per-tensor scheme shares one scale across q, k and v. Embeddings, norms, attention
 scores/softmax and the LM head stay in high precision (DESIGN section 5).
+
+With ``gemm="torch"`` (the torch engine on a GPU whose trainer runs real FP8, ``fp8.backend`` torch or
+te) a linear whose scheme and shape torch can run keeps its weight as FP8 data + scales
+(:class:`Fp8Weight`) and multiplies on torch's scaled GEMM: ``scaled_mm(activation_fp8(x), W_fp8)``,
+the same FP8 values as the emulation, summed by the tensor cores.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "KVCache",
+    "Fp8Weight",
     "LayerWeights",
     "ModelShape",
     "RolloutWeights",
@@ -332,12 +338,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @dataclass
+class Fp8Weight:
+    """A linear weight kept in FP8 for torch's scaled GEMM: ``q`` (data [N, K] + scales) of the scheme."""
+
+    q: Any  # nemo_fp8rl.fp8.backends.QuantizedOperand
+    dtype: torch.dtype  # the engine's compute dtype (output of the GEMM)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.data.shape
+
+
+@dataclass
 class LayerWeights:
     """One decoder layer's weights after sync. Linear weights are fused and FP8-quantized-dequantized."""
 
     input_norm: torch.Tensor  # [d]
     post_norm: torch.Tensor  # [d]
-    w_qkv: torch.Tensor  # [(H + 2G) * hd, d]
+    w_qkv: torch.Tensor | Fp8Weight  # [(H + 2G) * hd, d] (the four linears: a tensor, or FP8 for torch GEMMs)
     b_qkv: torch.Tensor | None  # [(H + 2G) * hd]
     w_o: torch.Tensor  # [d, H * hd]
     b_o: torch.Tensor | None
@@ -363,14 +381,27 @@ class RolloutWeights:
     reported when it exposes them, and the relative quantization error ||W_q - W|| / ||W||."""
 
 
-def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, dict[str, float]]) -> torch.Tensor:
-    """Quantize one (fused) linear weight [N, K] with the scheme and record what it did in ``stats``."""
+def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, dict[str, float]],
+                     dtype: torch.dtype, gemm: str = "emulate") -> torch.Tensor | Fp8Weight:
+    """Quantize one (fused) linear weight [N, K] with the scheme and record what it did in ``stats``.
+
+    Returns the read-back weight in ``dtype`` (emulated GEMM) or, with ``gemm="torch"`` where the scheme
+    and shape run on torch's FP8 GEMM on this device, an :class:`Fp8Weight` (``stats[name]["gemm"]``
+    says which; the fallback reason is in ``stats[name]["fallback"]``).
+    """
     w32 = w.float()
-    wq = scheme.quantize_weight(w32)
+    packed = None
+    reason = None
+    if gemm == "torch":
+        support = getattr(scheme, "torch_gemm_support", None)
+        reason = support(w32.device, *w32.shape) if callable(support) else "custom scheme without FP8 GEMM"
+        if reason is None:
+            packed = scheme.weight_fp8(w32)
+    wq = packed.dequantize() if packed is not None else scheme.quantize_weight(w32)
     if tuple(wq.shape) != tuple(w32.shape):
         raise ValueError(f"rollout FP8 scheme {scheme!r}.quantize_weight changed the shape of {name}: "
                          f"{tuple(w32.shape)} -> {tuple(wq.shape)}")
-    rec: dict[str, float] = {
+    rec: dict[str, Any] = {
         "amax": float(w32.abs().max()),
         "rel_err": float((wq.float() - w32).norm() / w32.norm().clamp_min(1e-30)),
     }
@@ -379,13 +410,17 @@ def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, d
         s = torch.as_tensor(scale_fn(w32)).float()
         rec["scale"] = float(s.reshape(-1)[0]) if s.numel() == 1 else float(s.mean())
         rec["num_scales"] = float(s.numel())
+    if gemm == "torch":
+        rec["gemm"] = "torch" if packed is not None else "emulate"
+        if reason:
+            rec["fallback"] = reason
     stats[name] = rec
-    return wq
+    return Fp8Weight(packed, dtype) if packed is not None else wq.to(dtype)
 
 
 def _build_layer(
     shape: ModelShape, i: int, sd: Mapping[str, torch.Tensor], scheme: Any, device: torch.device, dtype: torch.dtype,
-    stats: dict[str, dict[str, float]],
+    stats: dict[str, dict[str, float]], gemm: str = "emulate",
 ) -> LayerWeights:
     """Layer ``i`` from its HF tensors (checked): fuse q/k/v and gate/up, quantize the four linears."""
     p = f"model.layers.{i}."
@@ -402,14 +437,14 @@ def _build_layer(
     return LayerWeights(
         input_norm=hp(p + "input_layernorm.weight"),
         post_norm=hp(p + "post_attention_layernorm.weight"),
-        w_qkv=_quantize_linear(scheme, a + "qkv_proj", w_qkv, stats).to(dtype),
+        w_qkv=_quantize_linear(scheme, a + "qkv_proj", w_qkv, stats, dtype, gemm),
         b_qkv=torch.cat([hp(a + "q_proj.bias"), hp(a + "k_proj.bias"), hp(a + "v_proj.bias")])
         if shape.qkv_bias else None,
-        w_o=_quantize_linear(scheme, a + "o_proj", t(a + "o_proj.weight"), stats).to(dtype),
+        w_o=_quantize_linear(scheme, a + "o_proj", t(a + "o_proj.weight"), stats, dtype, gemm),
         b_o=hp(a + "o_proj.bias") if shape.linear_bias else None,
-        w_gate_up=_quantize_linear(scheme, m + "gate_up_proj", w_gu, stats).to(dtype),
+        w_gate_up=_quantize_linear(scheme, m + "gate_up_proj", w_gu, stats, dtype, gemm),
         b_gate_up=torch.cat([hp(m + "gate_proj.bias"), hp(m + "up_proj.bias")]) if shape.linear_bias else None,
-        w_down=_quantize_linear(scheme, m + "down_proj", t(m + "down_proj.weight"), stats).to(dtype),
+        w_down=_quantize_linear(scheme, m + "down_proj", t(m + "down_proj.weight"), stats, dtype, gemm),
         b_down=hp(m + "down_proj.bias") if shape.linear_bias else None,
         q_norm=hp(a + "q_norm.weight") if shape.qk_layernorm else None,
         k_norm=hp(a + "k_norm.weight") if shape.qk_layernorm else None,
@@ -417,7 +452,8 @@ def _build_layer(
 
 
 def build_weights(
-    shape: ModelShape, weights: WeightsArg, scheme: Any, device: torch.device, dtype: torch.dtype
+    shape: ModelShape, weights: WeightsArg, scheme: Any, device: torch.device, dtype: torch.dtype,
+    gemm: str = "emulate",
 ) -> RolloutWeights:
     """Validate the synced weights (HF names), fuse q/k/v and gate/up, quantize the linear weights with ``scheme``.
 
@@ -426,7 +462,8 @@ def build_weights(
     incoming tensors are dropped then, so a stream in layer order (``FP8Actor.iter_weights``) costs one
     layer of incoming float32 tensors on top of the engine's own new weights, whatever the depth.
     ``scheme.quantize_weight`` runs once per fused linear weight per call (= per weight sync), on the
-    float32 weight; the dequantized result is stored in ``dtype`` on ``device``.
+    float32 weight; the dequantized result is stored in ``dtype`` on ``device`` (``gemm="torch"``: FP8
+    data + scales where torch's scaled GEMM runs the scheme, :func:`_quantize_linear`).
     """
     per_layer = {i: 0 for i in range(shape.num_layers)}
     for k in expected_hf_shapes(shape, 1):
@@ -444,7 +481,7 @@ def build_weights(
         got = pending.setdefault(i, {})
         got[name] = v
         if len(got) == per_layer[i]:
-            layers[i] = _build_layer(shape, i, pending.pop(i), scheme, device, dtype, layer_stats[i])
+            layers[i] = _build_layer(shape, i, pending.pop(i), scheme, device, dtype, layer_stats[i], gemm)
     assert not pending and all(lw is not None for lw in layers), "checked_weight_stream ensures every key came"
     embed = top["model.embed_tokens.weight"]
     return RolloutWeights(
@@ -482,8 +519,20 @@ class KVCache:
         self.v = [v.index_select(0, rows) for v in self.v]
 
 
-def _linear(scheme: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """FP8 (emulated) linear: ``quantize_activation(x) @ W_q^T + b``; x [..., K], W_q [N, K] -> [..., N]."""
+def _linear(scheme: Any, x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
+    """FP8 linear ``quantize_activation(x) @ W_q^T + b``; x [..., K], W_q [N, K] -> [..., N].
+
+    Emulated (``w`` a tensor: the read-back weight) or on torch's scaled GEMM (``w`` an
+    :class:`Fp8Weight`: the activation's FP8 data and scales from ``scheme.activation_fp8``).
+    """
+    if isinstance(w, Fp8Weight):
+        from nemo_fp8rl.fp8.backends import scaled_gemm
+
+        x2 = x.reshape(-1, x.shape[-1])
+        y = scaled_gemm(scheme.activation_fp8(x2), w.q, w.dtype)
+        if b is not None:
+            y = y + b
+        return y.reshape(*x.shape[:-1], w.shape[0])
     return F.linear(scheme.quantize_activation(x).to(w.dtype), w, b)
 
 

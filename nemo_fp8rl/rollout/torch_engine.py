@@ -93,7 +93,11 @@ class TorchRolloutEngine:
         eos_ids: Sequence[int] | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        fp8_gemm: str = "emulate",
     ) -> None:
+        if fp8_gemm not in ("emulate", "torch"):
+            raise ValueError(f"torch rollout engine: fp8_gemm={fp8_gemm!r}; use 'emulate' or 'torch'")
+        self.fp8_gemm = fp8_gemm
         self.shape = ModelShape.from_config(model_cfg)
         self.scheme = resolve_rollout_scheme(fp8_scheme, train_recipe)
         self.scheme_name = fp8_scheme if isinstance(fp8_scheme, str) else type(fp8_scheme).__name__
@@ -117,13 +121,19 @@ class TorchRolloutEngine:
         Returns the per-linear record of this sync (``amax``, relative quantization error ``rel_err``,
         and the ``scale`` when the scheme reports it), also kept as :attr:`last_sync`.
         """
-        self.weights = build_weights(self.shape, weights, self.scheme, self.device, self.dtype)
+        self.weights = build_weights(self.shape, weights, self.scheme, self.device, self.dtype, gemm=self.fp8_gemm)
         self.weights_version += 1
         if self.weights_version == 1:
-            log.info(
+            stats = self.weights.linear_stats
+            gemm = "emulated GEMMs"
+            if self.fp8_gemm == "torch" and self.scheme.enabled:
+                real = sum(1 for r in stats.values() if r.get("gemm") == "torch")
+                why = sorted({r["fallback"] for r in stats.values() if "fallback" in r})
+                gemm = f"{real} on torch FP8 GEMMs, {len(stats) - real} emulated" + (f" ({'; '.join(why)})" if why else "")
+            (log.warning if "fallback" in str(stats) else log.info)(
                 "rollout engine 'torch': FP8 scheme %s quantizes %d linear weights per sync (fused qkv and "
-                "gate_up per layer); embeddings, norms and the LM head stay %s",
-                self.scheme_name, len(self.weights.linear_stats), self.dtype,
+                "gate_up per layer; %s); embeddings, norms and the LM head stay %s",
+                self.scheme_name, len(stats), gemm, self.dtype,
             )
         return self.weights.linear_stats
 

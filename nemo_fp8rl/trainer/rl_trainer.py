@@ -155,9 +155,16 @@ class RLTrainer:
                 share, n_shares, leader = rollout_share_layout(replicas, dist.get_rank(), rollout_tp)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        engine_kw = {}
+        if cfg.rollout.engine == "torch":
+            # the in-process engine lives where the actor does; on a GPU whose trainer runs real FP8
+            # (fp8.backend torch or te) its FP8 schemes use torch's FP8 GEMMs too
+            real = self.actor.fp8_backend in ("torch", "te") and self.actor.device.type == "cuda"
+            engine_kw = {"device": self.actor.device, "fp8_gemm": "torch" if real else "emulate"}
         self.engine = get_rollout_engine(
             cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
             eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None), options=cfg.rollout,
+            **engine_kw,
         )
         if rollout_tp > 1:
             block = dist.get_rank() - dist.get_rank() % rollout_tp

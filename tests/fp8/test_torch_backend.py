@@ -26,6 +26,8 @@ from nemo_fp8rl.fp8.backends import (
 )
 from nemo_fp8rl.fp8.linear import quantize_operand_fp8
 
+from tests._scaled_mm_reference import reference_kernel
+
 
 def _grads(recipe, backend, x, w, b, gys, state=None):
     """Run len(gys) forward/backward steps (the state carries the delayed-scaling history).
@@ -114,34 +116,6 @@ def test_quantized_operands_bit_equal_every_recipe():
 # ------------------------------------------------------------------------------------------------
 
 
-def _expand_scale(scale: torch.Tensor, kind, rows: int, cols: int, operand: str) -> torch.Tensor:
-    """Scale of every element of mat_a [M, K] ('a') or mat_b [K, N] ('b'), from torch's documented layouts."""
-    st = torch.nn.functional.ScalingType
-    if kind == st.TensorWise:
-        return scale.reshape(()).expand(rows, cols)
-    if kind == st.RowWise:  # a: [M, 1] per row; b: [1, N] per column
-        return scale.expand(rows, cols)
-    idx_r, idx_c = torch.arange(rows), torch.arange(cols)
-    if kind == st.BlockWise1x128:
-        # a: [M, K/128], element (i, k) -> scale[i, k // 128]; b: [N, K/128], element (k, j) -> scale[j, k // 128]
-        if operand == "a":
-            return scale[idx_r[:, None], (idx_c // 128)[None, :]]
-        return scale[idx_c[None, :], (idx_r // 128)[:, None]]
-    if kind == st.BlockWise128x128:  # b only here: [L4, N/128], element (k, j) -> scale[k // 128, j // 128]
-        return scale[(idx_r // 128)[:, None], (idx_c // 128)[None, :]]
-    raise AssertionError(kind)
-
-
-def _reference_kernel(calls):
-    def kernel(mat_a, mat_b, scale_a, gran_a, scale_b, gran_b, out_dtype, fast_accum):
-        ka, kb = backends._scaling_type(gran_a), backends._scaling_type(gran_b)
-        calls.append((mat_a, mat_b, scale_a, ka, scale_b, kb, out_dtype))
-        a = mat_a.double() * _expand_scale(scale_a.double(), ka, *mat_a.shape, "a")
-        b = mat_b.double() * _expand_scale(scale_b.double(), kb, *mat_b.shape, "b")
-        return (a @ b).to(out_dtype)
-    return kernel
-
-
 @pytest.mark.parametrize("name,fmt", [("rowwise", "e4m3"), ("blockwise", "e4m3"), ("blockwise", "hybrid"),
                                       ("tensorwise", "hybrid")])
 def test_scaled_mm_layouts_against_reference_kernel(name, fmt, monkeypatch):
@@ -149,7 +123,7 @@ def test_scaled_mm_layouts_against_reference_kernel(name, fmt, monkeypatch):
     if not hasattr(torch.nn.functional, "ScalingType"):
         pytest.skip("this torch has no torch.nn.functional.ScalingType")
     calls = []
-    monkeypatch.setattr(backends, "scaled_mm_kernel", _reference_kernel(calls))
+    monkeypatch.setattr(backends, "scaled_mm_kernel", reference_kernel(calls))
     recipe = get_recipe(name, fp8_format=fmt)
     g = torch.Generator().manual_seed(1)
     m, k, n = 130, 256, 128  # tokens not a multiple of 128: wgrad pads them
