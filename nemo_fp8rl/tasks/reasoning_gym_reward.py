@@ -1,0 +1,65 @@
+"""Reward of the ``reasoning_gym`` task: extract the tagged answer, score it with the dataset's own checker.
+
+Runs inside the reward worker (:mod:`nemo_fp8rl.tasks.reward_runner`), so this module imports only the
+standard library at module level; ``reasoning_gym`` is imported on the first call, and each dataset's
+scorer is built once per worker (``functools.lru_cache``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from typing import Any
+
+__all__ = ["extract_answer", "reasoning_gym_reward"]
+
+
+@functools.lru_cache(maxsize=64)
+def _tag_pattern(tag: str) -> re.Pattern[str]:
+    return re.compile(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", re.DOTALL)
+
+
+def extract_answer(text: str, tag: str = "answer") -> str | None:
+    """The final answer of a response: the stripped content of its last ``<tag>...</tag>`` pair.
+
+    None when the response has no such pair or only empty ones (an unparseable response).
+    """
+    found = [m.strip() for m in _tag_pattern(tag).findall(text)]
+    found = [m for m in found if m]
+    return found[-1] if found else None
+
+
+@functools.lru_cache(maxsize=8)
+def _scorer(dataset: str, dataset_kwargs_json: str) -> Any:
+    """The configured reasoning-gym dataset whose ``score_answer`` checks answers (one per worker)."""
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(dataset, **json.loads(dataset_kwargs_json))
+
+
+def reasoning_gym_reward(response: str, entry: dict[str, Any], *, dataset: str, dataset_kwargs_json: str,
+                         answer_tag: str = "answer", format_reward: float = 0.0) -> tuple[float, bool]:
+    """Reward of one response to a reasoning-gym problem.
+
+    s = ``dataset.score_answer(extract_answer(response), entry)`` in [0, 1] (reasoning-gym's checker;
+    some datasets give partial credit). reward = 0 for an unparseable response (no non-empty
+    ``<answer_tag>`` pair; the scorer is not called), else ``max(s, format_reward)``;
+    correct = (s >= 1). A score outside [0, 1] (or not a number) raises, so the runner counts it in
+    ``reward/errors``: the checker, not the policy, is at fault.
+
+    Args:
+        response: the decoded response text (up to its EOS).
+        entry: the reasoning-gym entry (``{"question", "answer", "metadata"}``) the prompt came from.
+        dataset, dataset_kwargs_json: the dataset name and its config keyword arguments as JSON
+            (the scorer is built from them once per worker).
+    """
+    answer = extract_answer(response, answer_tag)
+    if answer is None:
+        return 0.0, False
+    s = _scorer(dataset, dataset_kwargs_json).score_answer(answer, entry)
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0.0 <= s <= 1.0:
+        raise ValueError(f"reasoning-gym {dataset!r} score_answer returned {s!r}; a score must be in [0, 1]")
+    s = float(s)
+    return max(s, float(format_reward)), s >= 1.0
