@@ -105,22 +105,25 @@ def quantize_operand(
     Returns:
         float32 tensor shaped like t.
     """
-    fmt = recipe.format_for(role)
-    stats = state.stats if state is not None else None
-    scale = None
-    if recipe.scaling == "delayed":
-        if state is None:
-            raise ValueError("delayed scaling needs an Fp8LinearState (per-layer amax history)")
-        meta = state.delayed[role]
-        scale = meta.scale.to(t.device)
+    meta, scale = _delayed_scale(t, role, recipe, state)
     out = fake_quantize(
-        t, fmt, recipe.granularity_for(role), dim=dim, pow2_scales=recipe.pow2_scales,
-        eps=recipe.amax_epsilon, block=recipe.mx_block, scale=scale, stats=stats,
+        t, recipe.format_for(role), recipe.granularity_for(role), dim=dim, pow2_scales=recipe.pow2_scales,
+        eps=recipe.amax_epsilon, block=recipe.mx_block, scale=scale, stats=state.stats if state is not None else None,
         divide=recipe.dequant == "divide",
     ).float()
-    if scale is not None and record:
+    if meta is not None and record:
         meta.record_and_update(t.detach().abs().amax(), recipe, role)
     return out
+
+
+def _delayed_scale(t: torch.Tensor, role: str, recipe: Fp8Recipe, state: Optional[Fp8LinearState]):
+    """``(meta, scale)`` of a delayed-scaling operand (its history and the scale in force), else (None, None)."""
+    if recipe.scaling != "delayed":
+        return None, None
+    if state is None:
+        raise ValueError("delayed scaling needs an Fp8LinearState (per-layer amax history)")
+    meta = state.delayed[role]
+    return meta, meta.scale.to(t.device)
 
 
 def _truncate_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -206,20 +209,13 @@ def quantize_operand_fp8(
     (``dequant="scale_inv"``). t: [R, K] -> data [R, K] FP8 (contiguous), scale_inv as in
     :class:`~nemo_fp8rl.fp8.backends.QuantizedOperand` (K a multiple of the block for 1-D blocks).
     """
-    fmt = recipe.format_for(role)
     gran = recipe.granularity_for(role)
-    stats = state.stats if state is not None else None
-    scale = None
-    if recipe.scaling == "delayed":
-        if state is None:
-            raise ValueError("delayed scaling needs an Fp8LinearState (per-layer amax history)")
-        meta = state.delayed[role]
-        scale = meta.scale.to(t.device)
+    meta, scale = _delayed_scale(t, role, recipe, state)
     data, scale_inv = quantize(
-        t, fmt, gran, dim=1, pow2_scales=recipe.pow2_scales, eps=recipe.amax_epsilon, block=recipe.mx_block,
-        scale=scale, stats=stats,
+        t, recipe.format_for(role), gran, dim=1, pow2_scales=recipe.pow2_scales, eps=recipe.amax_epsilon,
+        block=recipe.mx_block, scale=scale, stats=state.stats if state is not None else None,
     )
-    if scale is not None and record:
+    if meta is not None and record:
         meta.record_and_update(t.detach().abs().amax(), recipe, role)
     if gran in ("tensor", "row"):
         return QuantizedOperand(data.contiguous(), scale_inv, gran)
