@@ -45,7 +45,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0, logit_scale: float = 1.0) ->
     """HF-named weights: linears ~ N(0, 1/fan_in), norms = 1, embeddings ~ N(0, 1).
 
     ``logit_scale`` multiplies the LM head (untied): > 1 gives peaked next-token distributions, like a
-    trained model's, instead of near-uniform ones (benchmarks/gpu_check.py's vLLM parity uses 4).
+    trained model's, instead of near-uniform ones (benchmarks/gpu/part_vllm_parity.py uses 4).
     """
     g = torch.Generator().manual_seed(seed)
     sd = {}

@@ -1,4 +1,6 @@
-"""benchmarks/gpu_check.sh --dry-run runs its CPU parts (the GPU run itself needs a lent GPU)."""
+"""benchmarks/gpu/run.sh --dry-run runs every part of the GPU check on CPU tensors with tiny shapes (the
+H200 run itself needs a lent GPU); the runner keeps partial results of a part it had to kill; the
+summary renders a GPU run's tables."""
 
 import importlib.util
 import json
@@ -7,88 +9,162 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+GPU = ROOT / "benchmarks" / "gpu"
+if str(GPU) not in sys.path:
+    sys.path.insert(0, str(GPU))
+
+import runner  # noqa: E402
+import summary  # noqa: E402
+
+RAN_ON_CPU = ["env", "parity", "throughput", "grpo", "shadow", "pytest_gpu", "distopt"]
 
 
-def test_gpu_check_dry_run(tmp_path):
+def _dry_run(out: Path, **env) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHON=sys.executable, OUT=str(out), **env)
+    return subprocess.run(["bash", str(GPU / "run.sh"), "--dry-run"], capture_output=True, text=True, timeout=300,
+                          env=e, cwd=ROOT, check=False)
+
+
+def test_dry_run_runs_every_part(tmp_path):
     out = tmp_path / "gpu"
-    env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out), "--dry-run"],
-                          capture_output=True, text=True, timeout=400, env=env, cwd=ROOT, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _dry_run(out)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert results["env"]["torch"] == __import__("torch").__version__
-    parity = results["parity"]
-    assert set(parity["max_abs_diff"]) == {"delayed", "tensorwise", "blockwise_1x128", "blockwise_128x128", "mxfp8"}
-    assert all(v == 0.0 for v in parity["max_abs_diff"].values())
-    # TE is not installed on CPU: the support probe answers with a reason instead of raising
-    assert all(ok is False and reason for ok, reason in parity["te_support"].values())
-    summary = (out / "summary.md").read_text()
-    assert "| env | ok |" in summary and "| parity | ok |" in summary
-    assert "## throughput: skipped" in summary and "## grpo: skipped" in summary
-    assert [results[k]["status"] for k in ("env", "parity", "throughput", "grpo")] == ["ok", "ok", "skipped", "skipped"]
-    # the vLLM parts run in a child process on a tiny float32 model with FP8 off (vLLM's FP8 needs a GPU)
-    rollout, vparity = results["vllm_rollout"], results["vllm_parity"]
-    if importlib.util.find_spec("vllm") is None:
-        assert rollout["status"] == vparity["status"] == "skipped"
-        assert "vLLM is not installed" in rollout["skipped"]
-        return
-    assert rollout["status"] == "ok", rollout
-    assert rollout["arms"]["float32"]["decode_tokens_per_s"] > 0 and rollout["arms"]["float32"]["prefill_tokens_per_s"] > 0
-    assert "UnquantizedLinearMethod" in rollout["arms"]["float32"]["quant_methods"]
-    assert set(rollout["skipped"]) == {"fp8_w8a8", "fp8_block"}
-    assert vparity["status"] == "ok", vparity
-    off = vparity["schemes"]["off"]
-    # FP8 off, float32 in both engines: the same function up to summation order
-    assert off["tokens"] == vparity["prompts"] * vparity["new_tokens"]
-    assert off["max_abs_diff"] < 1e-4 and off["argmax_agree"] == 1.0
-    assert all("dry run" in vparity["schemes"][s]["skipped"] for s in ("vllm_w8a8", "vllm_block"))
-    assert "| vllm_rollout | ok |" in summary and "| vllm_parity | ok |" in summary
-    assert "| off | " in summary  # the parity table
+    assert set(results) == {"_meta", *runner.PART_NAMES}
+    assert results["_meta"]["dry_run"] is True
+    assert [results[p]["status"] for p in RAN_ON_CPU] == ["ok"] * len(RAN_ON_CPU)
+    summary_md = (out / "summary.md").read_text()
+    for p in runner.PART_NAMES:
+        assert f"| {p} | {results[p]['status']} |" in summary_md
+    assert "FAILED" not in summary_md
+    # what comes back from a device machine: few files, all directly under $OUT
+    assert sorted(f.name for f in out.iterdir()) == ["nvidia-smi.txt", "pytest_gpu.txt", "results.json", "run.log",
+                                                     "summary.md"]
+
+    env = results["env"]
+    assert env["torch"] == __import__("torch").__version__ and env["auto_backend"] == "emulate"
+    # the CPU's scaled GEMM takes per-tensor scales only
+    assert set(env["torch_gemm_support"]["tensorwise"].values()) == {"torch"}
+    assert all(v != "torch" for v in env["torch_gemm_support"]["blockwise"].values())
+
+    parity = results["parity"]["recipes"]
+    assert list(parity) == ["delayed", "tensorwise", "rowwise", "blockwise", "blockwise_hybrid", "mxfp8"]
+    for label, row in parity.items():
+        assert all(row["quantized_equal"].values()), label
+        for gemm in ("forward", "dgrad", "wgrad"):
+            for b in ("torch", "emulate"):
+                assert 0.0 < row[gemm][f"{b}_err_over_bound"] <= 1.0, (label, gemm, b)
+        real = label in ("delayed", "tensorwise")
+        assert row["layer_backend"] == ("torch" if real else "emulate"), label
+        assert row["gemm"] == "torch._scaled_mm" if real else row["gemm"].startswith("emulated: "), label
+        assert row["conversion"]["emulated_fallback"] == (0 if real else 1)
+        if not real:  # a fallback runs the emulation itself: identical outputs
+            assert all(row[g]["max_abs_torch_minus_emulate"] == 0.0 for g in ("forward", "dgrad", "wgrad"))
+
+    thr = results["throughput"]
+    for tokens in thr["tokens"]:
+        for name in ("qkv", "o", "gate_up", "down", "layer"):
+            row = thr["ms"][f"{name}@{tokens}"]
+            assert set(row) == {"bf16", "delayed", "tensorwise"} and all(v > 0 for v in row.values())
+    assert set(thr["not_timed"]) == {"rowwise", "blockwise", "blockwise_hybrid", "mxfp8"}
+    assert "| layer@" in summary_md
+
+    grpo = results["grpo"]
+    fp8, bf16 = grpo["arms"]["fp8_tensorwise_calibrated"], grpo["arms"]["bf16"]
+    for arm in (fp8, bf16):
+        assert arm["rc"] == 0 and arm["all_finite"] and arm["steps"] == 3
+    assert "fp8.backend=torch" in fp8["cmd"] and "calibration=paper" in fp8["cmd"]
+    assert fp8["conversion"]["backend"] == "torch" and fp8["conversion"]["torch_gemm"] > 0
+    assert fp8["median_shadow_s"] > 0 and grpo["step_x_bf16"] > 0
+
+    sh = results["shadow"]
+    tw = sh["recipes"]["tensorwise"]
+    assert tw["share_at_interval"] == pytest.approx(2 * sh["shadow_ms"] / (20 * tw["step_ms"]))
+    assert "blockwise" in sh["not_timed"]
+
+    pt = results["pytest_gpu"]
+    assert pt["rc"] == 0 and pt["counts"].get("skipped", 0) > 0 and "tests/fp8/test_te_parity_gpu.py" in pt["files"]
+    assert results["distopt"]["resume_max_abs_diff"] <= 1e-3
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert "Transformer Engine is not installed" in results["te_parity"]["skipped"]
+    assert "GPU_CHECK_DRY_VLLM=1" in results["vllm_rollout"]["skipped"] or "vLLM is not installed" in \
+        results["vllm_rollout"]["skipped"]
 
 
-def _gpu_check_module():
-    import importlib.util
+def test_a_part_past_its_timeout_is_recorded_and_the_summary_written(tmp_path):
+    # distopt imports megatron and builds five actors: far more than 2 s anywhere
+    res = runner._run_part("distopt", 2.0, True, tmp_path, tmp_path)
+    assert runner.status_of(res) == "FAILED"
+    assert res["failed"].startswith("timed out after 2s")
+    assert "_Terminated" in res.get("error", "")  # the child saved what it had when the runner's SIGTERM came
+    summary.write(tmp_path, "# t", [("distopt", "FAILED", res)], ["grpo"], {"dry_run": True})
+    md = (tmp_path / "summary.md").read_text()
+    assert "| distopt | FAILED |" in md and "| grpo | not run | | |" in md
+    assert "timed out" in json.loads((tmp_path / "results.json").read_text())["distopt"]["failed"]
+    assert (tmp_path / "tracebacks.txt").is_file()
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+
+def test_unknown_part_is_refused_with_the_valid_names(tmp_path):
+    proc = subprocess.run([sys.executable, str(GPU / "runner.py"), "--out", str(tmp_path), "--parts", "env,nope"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0 and "unknown part(s) ['nope']" in proc.stderr and "throughput" in proc.stderr
 
 
 def test_summary_tables_of_a_gpu_run(tmp_path):
-    """The vLLM parts' GPU results (FP8 arms, a scheme that raised) render without a GPU: the summary of a
-    lent machine's run must not fail after the measurements."""
-    gc = _gpu_check_module()
+    """A lent machine's results (torch GEMMs for blockwise, mxfp8 emulated, vLLM arms, a raising
+    scheme) render without a GPU: the summary must not fail after the measurements."""
+    g = {"torch_err_over_bound": 0.3, "emulate_err_over_bound": 0.25, "torch_finite": True, "emulate_finite": True,
+         "max_abs_torch_minus_emulate": 0.01, "max_abs_output": 3.0}
+    parity = {"device": "NVIDIA H200", "shapes": {"x": [1000, 1024], "weight": [768, 1024]}, "dtype": "torch.bfloat16",
+              "recipes": {"blockwise": {"quantized_equal": {"x_fwd": True, "w_fwd": True}, "layer_backend": "torch",
+                                        "gemm": "torch._scaled_mm", "forward": g, "dgrad": g, "wgrad": g},
+                          "mxfp8": {"quantized_equal": {"x_fwd": True}, "layer_backend": "emulate",
+                                    "gemm": "emulated: no Hopper kernel (mxfp8: needs sm100)", "forward": g,
+                                    "dgrad": g, "wgrad": g}}}
+    thr = {"tokens": [4096], "warmup": 3, "repeats": 10, "what": "ms",
+           "ms": {"qkv@4096": {"bf16": 2.0, "tensorwise": 1.0, "blockwise": 1.6}},
+           "not_timed": {"mxfp8": "mxfp8: needs sm100"}, "targets": {"tensorwise": {"target": 1.5, "layer@4096": 1.8}}}
     arm = {"build_s": 12.0, "decode_tokens_per_s": 4000.0, "prefill_tokens_per_s": 90000.0,
-           "quant_methods": ["UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"]}
-    fp8 = dict(arm, decode_tokens_per_s=5000.0, prefill_tokens_per_s=150000.0,
-               quant_methods=["Fp8LinearMethod"], fp8_kernels=["CutlassFP8ScaledMMLinearKernel"], fp8_problems=[])
+           "quant_methods": ["UnquantizedLinearMethod"]}
+    fp8 = dict(arm, decode_tokens_per_s=5000.0, prefill_tokens_per_s=150000.0, quant_methods=["Fp8LinearMethod"],
+               fp8_kernels=["CutlassFP8ScaledMMLinearKernel"])
     rollout = {"vllm": "0.33.0", "shape": {"num_layers": 4, "hidden_size": 4096}, "dtype": "bfloat16",
-               "decode": {"batch": 256, "prompt": 128, "new": 128}, "prefill": {"batch": 32, "prompt": 2048},
-               "repeats": 2, "arms": {"bf16": arm, "fp8_block": fp8}, "skipped": {},
-               "errors": {"fp8_w8a8": "RuntimeError: no kernel"}, "failed": "arm(s) ['fp8_w8a8'] failed",
+               "decode": {"batch": 256, "new": 128}, "prefill": {"batch": 32, "prompt": 2048}, "repeats": 2,
+               "arms": {"bf16": arm, "fp8_block": fp8}, "errors": {"fp8_w8a8": "RuntimeError: no kernel"},
+               "failed": "arm(s) ['fp8_w8a8'] failed",
                "vs_high_precision": {"bf16": {"decode": 1.0, "prefill": 1.0}, "fp8_block": {"decode": 1.25, "prefill": 1.67}}}
-    row = {"tokens": 256, "max_abs_diff": 0.05, "mean_abs_diff": 0.004, "argmax_agree": 0.99,
-           "bf16_emulation_max_abs_diff": 0.03, "bf16_emulation_mean_abs_diff": 0.002}
-    parity = {"reference": "torch engine, float32 on cuda", "prompts": 8, "new_tokens": 32,
-              "schemes": {"off": row, "vllm_block": dict(row, fp8_effect_mean=0.02, fp8_kernels=["K"]),
-                          "vllm_w8a8": {"error": "ValueError: no FP8 here"}},
-              "errors": {"vllm_w8a8": "ValueError: no FP8 here"}, "failed": "scheme(s) ['vllm_w8a8'] raised"}
-    done = [("vllm_rollout", "FAILED", rollout), ("vllm_parity", "FAILED", parity)]
-    gc._write_summary(tmp_path, "# GPU check", done, [])
-    summary = (tmp_path / "summary.md").read_text()
-    assert "| fp8_block | 5000 | 1.25 | 150000 | 1.67 | Fp8LinearMethod (CutlassFP8ScaledMMLinearKernel) |" in summary
-    assert "| vllm_block | 256 | 0.05 | 0.004 | 0.03 | 0.002 | 0.990 | 0.02 | K |" in summary
-    assert "| vllm_w8a8 | ValueError: no FP8 here |" in summary
-    head = gc._headline("vllm_rollout", rollout)
-    assert "fp8_block decode 5000 tok/s (1.25x), prefill 150000 tok/s (1.67x)" in head and "fp8_w8a8: RuntimeError" in head
-    assert "vllm_w8a8: ValueError" in gc._headline("vllm_parity", parity)
+    row = {"tokens": 256, "max_abs_diff": 0.05, "mean_abs_diff": 0.004, "argmax_agree": 0.99}
+    vparity = {"reference": "torch engine", "prompts": 8, "new_tokens": 32,
+               "schemes": {"vllm_block": dict(row, fp8_effect_mean=0.02, fp8_kernels=["K"]),
+                           "vllm_w8a8": {"error": "ValueError: no FP8 here"}}, "failed": "scheme(s) ['vllm_w8a8'] raised"}
+    done = [("parity", "ok", parity), ("throughput", "ok", thr), ("vllm_rollout", "FAILED", rollout),
+            ("vllm_parity", "FAILED", vparity)]
+    summary.write(tmp_path, "# GPU check", done, [], {})
+    md = (tmp_path / "summary.md").read_text()
+    assert "| blockwise | torch._scaled_mm | 2/2 | 0.3 | 0.25 |" in md
+    assert "| mxfp8 | emulated: no Hopper kernel (mxfp8: needs sm100) |" in md
+    assert "| qkv@4096 | 2.00 | 1.00 | 2.00 | 1.60 | 1.25 |" in md
+    assert "- tensorwise >= 1.5x BF16: layer@4096 1.80x" in md
+    assert "| fp8_block | 5000 | 1.25 | 150000 | 1.67 | Fp8LinearMethod (CutlassFP8ScaledMMLinearKernel) |" in md
+    assert "| vllm_w8a8 | ValueError: no FP8 here |" in md
+    assert "arm(s) ['fp8_w8a8'] failed" in summary.headline("vllm_rollout", rollout)
 
 
-def test_vllm_parts_skip_without_vllm(tmp_path, monkeypatch):
-    gc = _gpu_check_module()
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
-    res = gc.part_vllm_rollout(tmp_path, True, lambda: 400.0, layers=4, repeats=1)
-    assert "vLLM is not installed" in res["skipped"]
-    assert "vLLM is not installed" in gc.part_vllm_parity(tmp_path, True, lambda: 400.0)["skipped"]
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_dry_run_vllm_parts(tmp_path):
+    """The two vLLM parts on a tiny float32 model with FP8 off (vLLM's FP8 needs a GPU); minutes on CPU."""
+    out = tmp_path / "gpu"
+    proc = _dry_run(out, GPU_CHECK_DRY_VLLM="1", GPU_CHECK_PARTS="vllm_rollout,vllm_parity", GPU_CHECK_BUDGET_S="900")
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    results = json.loads((out / "results.json").read_text())
+    rollout, vparity = results["vllm_rollout"], results["vllm_parity"]
+    assert rollout["status"] == "ok", rollout
+    assert rollout["arms"]["float32"]["decode_tokens_per_s"] > 0
+    assert set(rollout["skipped"]) == {"fp8_w8a8", "fp8_block"}
+    off = vparity["schemes"]["off"]
+    assert vparity["status"] == "ok" and off["max_abs_diff"] < 1e-4 and off["argmax_agree"] == 1.0

@@ -226,10 +226,11 @@ def main() -> None:
     if rollout.is_file():
         parts += [rollout.read_text().strip(), ""]
     gpu = here / "gpu_results.md"
-    parts += ["## GPU check", "",
+    # the H200 section of docs/results.md (how to run benchmarks/gpu/run.sh); gpu_results.md, when present,
+    # holds its measured numbers
+    parts += [(here.parent / "gpu" / "h200_check.md").read_text().strip(), "",
               gpu.read_text().strip() if gpu.is_file() else
-              "`benchmarks/gpu_check.sh` has not run on a GPU yet (no GPU was lent to the sessions so far); "
-              "its CPU dry run is part of `make test`.", ""]
+              "No H200 numbers yet: the check has not run on a lent H200. The numbers go here when it does.", ""]
     Path(args.doc).write_text("\n".join(parts) + "\n")
     print(f"wrote {args.doc}")
 

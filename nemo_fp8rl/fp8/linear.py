@@ -106,11 +106,13 @@ def quantize_operand(
         float32 tensor shaped like t.
     """
     meta, scale = _delayed_scale(t, role, recipe, state)
+    # float32 read-back whatever t's dtype: an FP8 GEMM multiplies q * scale_inv exactly, so rounding the
+    # dequantized value to a bf16 input's dtype would add an error no FP8 kernel has
     out = fake_quantize(
-        t, recipe.format_for(role), recipe.granularity_for(role), dim=dim, pow2_scales=recipe.pow2_scales,
+        t.float(), recipe.format_for(role), recipe.granularity_for(role), dim=dim, pow2_scales=recipe.pow2_scales,
         eps=recipe.amax_epsilon, block=recipe.mx_block, scale=scale, stats=state.stats if state is not None else None,
         divide=recipe.dequant == "divide",
-    ).float()
+    )
     if meta is not None and record:
         meta.record_and_update(t.detach().abs().amax(), recipe, role)
     return out

@@ -755,7 +755,7 @@ class VllmEngine:
         """Shut vLLM's engine core down: frees its weights, KV cache and process groups (the engine is unusable after).
 
         ``EngineCore.shutdown`` also undoes the ``gc.freeze()`` vLLM does at start; without it the memory
-        of a deleted in-process engine is never collected (as ``benchmarks/gpu_check.py`` found).
+        of a deleted in-process engine is never collected (as the GPU check's vLLM parts found).
         """
         llm, self.llm = getattr(self, "llm", None), None
         self._weights_state = "none"

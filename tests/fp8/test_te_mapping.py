@@ -3,7 +3,7 @@
 TE cannot be installed without CUDA, so a stand-in ``transformer_engine`` package with the same recipe
 dataclass shapes as TE 2.x (``Float8BlockScaling`` takes its ``QParams`` defaults from
 ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` once, when the class is defined) checks what we pass to it.
-The real classes are exercised by the ``gpu`` tests and benchmarks/gpu_check.sh.
+The real classes are exercised by the ``gpu`` tests and benchmarks/gpu/run.sh.
 """
 
 import dataclasses

@@ -1,0 +1,149 @@
+"""Part (e), a tiny GRPO run on the GPU through the real CLI (``python -m nemo_fp8rl.train``): the FP8
+arm ``fp8=tensorwise fp8.backend=torch calibration=paper`` and the BF16 arm ``fp8=off calibration=off``.
+
+Model: Qwen3-8B layer widths (``model=qwen3_8b``: hidden 4096, GQA 32/8 x 128, FFN 12288, QK norm) with
+``LAYERS`` decoder layers and the task tokenizer's vocabulary (``model.vocab_size=null``), no supervised
+warm-up. Calibration runs every 2nd step (steps 0, 2, 4: ten times the default interval's share, so the
+FP8 arm's step time is a pessimistic one for the >= 1.2x target). Reported per arm: the median
+``timing/step`` and ``timing/train`` of the steps after step 0 (step 0 compiles and warms the kernels),
+the FP8 arm's ``timing/shadow``, the converter's ``backend=torch: N on torch FP8 GEMMs`` line, and
+whether every step's core metrics are finite (the logger writes non-finite values as null). The dry run
+uses the tiny model on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAYERS = 2
+STEPS = 5
+FINITE_KEYS = ("reward/mean", "policy/entropy", "train/loss", "train/grad_norm", "clip/lower", "clip/upper",
+               "timing/step")
+ARMS = {
+    "fp8_tensorwise_calibrated": ["fp8=tensorwise", "fp8.backend=torch", "calibration=paper",
+                                  "calibration.interval=2", "calibration.min_tokens=4"],
+    "bf16": ["fp8=off", "calibration=off"],
+}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _overrides(dry: bool) -> list[str]:
+    common = ["warmup.steps=0", "logger.tensorboard=false", "logger.progress=lines", "trainer.checkpoint_interval=0",
+              "task.format_reward=0.5", "algorithm.old_logprobs=recompute"]
+    if dry:
+        return common + ["trainer.max_steps=3", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
+                         "algorithm.minibatches_per_step=1", "parallel.micro_batch_size=16", "rollout.max_new_tokens=6"]
+    return common + [f"trainer.max_steps={STEPS}", "model=qwen3_8b", f"model.num_layers={LAYERS}",
+                     "model.vocab_size=null", "model.seq_length=128", "algorithm.prompts_per_step=32",
+                     "algorithm.group_size=8", "algorithm.minibatches_per_step=2", "parallel.micro_batch_size=64",
+                     "rollout.max_new_tokens=32"]
+
+
+def _text(b) -> str:
+    if b is None:
+        return ""
+    return b.decode(errors="replace") if isinstance(b, bytes) else b
+
+
+def _arm(name: str, overrides: list[str], timeout: float, tmp: Path) -> dict:
+    run = tmp / name
+    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *overrides, f"output_dir={run}",
+           f"warmup.cache_dir={tmp / 'warmup_cache'}"]
+    arm = {"cmd": " ".join(cmd[2:]), "timeout_s": round(timeout)}
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, cwd=REPO)
+        arm["rc"], out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:  # the child is killed; keep what it printed and logged
+        arm["rc"], out = None, _text(e.stdout) + _text(e.stderr)
+        arm["failed"] = f"timed out after {timeout:.0f}s"
+    arm["seconds"] = round(time.time() - t0, 1)
+    m = re.search(r"backend=(\w+): (\d+) on torch FP8 GEMMs, (\d+) emulated", out)
+    if m:
+        arm["conversion"] = {"backend": m.group(1), "torch_gemm": int(m.group(2)), "emulated": int(m.group(3))}
+    recs = []
+    mpath = run / "metrics.jsonl"
+    if mpath.is_file():
+        for line in mpath.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by the kill
+                pass
+    arm["steps"] = len(recs)
+    arm["all_finite"] = bool(recs) and all(isinstance(r.get(k), (int, float)) for r in recs for k in FINITE_KEYS)
+    later = recs[1:] or recs
+    for k in ("timing/step", "timing/train", "timing/rollout", "timing/shadow"):
+        vals = [r[k] for r in later if isinstance(r.get(k), (int, float))]
+        if vals:
+            arm[f"median_{k.split('/')[1]}_s"] = statistics.median(vals)
+    arm["records"] = recs
+    if arm.get("rc") not in (0, None) and "failed" not in arm:
+        arm["failed"] = f"exit code {arm['rc']}"
+    elif "failed" not in arm and not arm["all_finite"]:
+        arm["failed"] = "missing or non-finite metrics"
+    if "failed" in arm:
+        arm["output_tail"] = out[-3000:]
+    return arm
+
+
+def run(ctx) -> dict:
+    res = ctx.res
+    res.update(model="tiny" if ctx.dry else f"qwen3_8b widths, {LAYERS} layers, task vocabulary",
+               overrides=_overrides(ctx.dry), arms={})
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_check_grpo_"))
+    try:
+        names = list(ARMS)
+        for i, name in enumerate(names):
+            timeout = (ctx.left() - 5) / (len(names) - i)  # what is left, shared by the arms still to run
+            if timeout < 20:
+                res["arms"][name] = {"failed": f"out of time ({ctx.left():.0f}s left)"}
+                continue
+            res["arms"][name] = _arm(name, [*_overrides(ctx.dry), *ARMS[name]], timeout, tmp)
+            ctx.save()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fp8, bf16 = res["arms"].get("fp8_tensorwise_calibrated", {}), res["arms"].get("bf16", {})
+    for k in ("step", "train"):
+        if fp8.get(f"median_{k}_s") and bf16.get(f"median_{k}_s"):
+            res[f"{k}_x_bf16"] = bf16[f"median_{k}_s"] / fp8[f"median_{k}_s"]
+    problems = [f"{n}: {a['failed']}" for n, a in res["arms"].items() if "failed" in a]
+    if not ctx.dry and fp8.get("conversion", {}).get("torch_gemm", 0) == 0 and "failed" not in fp8:
+        problems.append("the FP8 arm ran no layer on torch's FP8 GEMMs (see its conversion line)")
+    if problems:
+        res["failed"] = "; ".join(problems)
+    return res
+
+
+def headline(res: dict) -> str:
+    parts = []
+    for name, a in res.get("arms", {}).items():
+        parts.append(f"{name}: rc {a.get('rc')}, {a.get('steps', 0)} steps, finite {a.get('all_finite')}, "
+                     f"step {a.get('median_step_s', float('nan')):.3f}s")
+    if "step_x_bf16" in res:
+        parts.append(f"step x BF16 {res['step_x_bf16']:.2f} (train {res.get('train_x_bf16', float('nan')):.2f}; target 1.2)")
+    return "; ".join(parts)
+
+
+def tables(res: dict) -> list[str]:
+    lines = [f"Tiny GRPO through the CLI ({res.get('model')}; median over steps after step 0):", "",
+             "| arm | rc | steps | finite | step s | train s | rollout s | shadow s | FP8 layers on torch / emulated |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
+    for name, a in res.get("arms", {}).items():
+        c = a.get("conversion", {})
+        lines.append(f"| {name} | {a.get('rc')} | {a.get('steps', 0)} | {a.get('all_finite')} | "
+                     f"{a.get('median_step_s', nan):.3f} | {a.get('median_train_s', nan):.3f} | "
+                     f"{a.get('median_rollout_s', nan):.3f} | {a.get('median_shadow_s', nan):.3f} | "
+                     f"{c.get('torch_gemm', '-')} / {c.get('emulated', '-')} |")
+    if "step_x_bf16" in res:
+        lines.append(f"\nFP8 step x BF16: {res['step_x_bf16']:.2f} (train part {res.get('train_x_bf16', nan):.2f}); "
+                     "target >= 1.2 with calibration")
+    return lines

@@ -1,0 +1,208 @@
+"""Part (c), real vs emulated FP8 per recipe: the same quantizer on the GPU and on the CPU, and torch's
+FP8 GEMMs against the emulation.
+
+For each recipe (:data:`common.RECIPES`) on the same inputs x [M, K] (activations with an outlier),
+W [N, K] and dy [M, N] (small output gradients), all BF16 (float32 in the dry run, as CPU models are):
+
+1. Quantized operands: ``quantize`` of every operand along every reduction dimension a linear uses
+   (x and W along K, dy and W along N, dy and x along the tokens M) on the device and on the CPU must
+   give the same FP8 bytes and the same float32 scale-inverses (``torch.equal`` of the bytes).
+2. GEMMs: one ``Fp8Linear`` per backend converted from the same BF16 linear with ``convert_to_fp8``
+   (``backend="torch"`` and ``backend="emulate"``; a layer torch cannot run falls back and says why),
+   forward y = Q(x) Q(W)^T, dgrad dx = Q(dy) Q(W), wgrad dW = Q(dy)^T Q(x). Each output of each
+   backend is checked against the float64 product of the same dequantized operands (``a_hat``,
+   ``b_hat`` from ``quantize_operand``, the emulation's FP8 values):
+   ``|C - a_hat b_hat^T| <= gemm_error_bound(a_hat, b_hat, dtype, fast)`` per element, reported as the
+   largest ratio |error| / bound (must be <= 1), and the largest |torch - emulate|.
+   Delayed scaling runs one step first, so the checked step uses scales from an amax history.
+
+mxfp8 has no Hopper (or CPU) kernel: it must run emulated on sm90 and is reported "emulated: <reason>".
+"""
+
+from __future__ import annotations
+
+import copy
+
+from common import RECIPES, recipe
+
+# (name, role, reduction dim) of every quantization a linear step makes
+OPERANDS = [("x_fwd", "input", 1), ("w_fwd", "weight", 1), ("dy_dgrad", "grad_output", 1),
+            ("w_dgrad", "weight", 0), ("dy_wgrad", "grad_output", 0), ("x_wgrad", "input", 0)]
+
+
+def _inputs(dry: bool):
+    import torch
+
+    m, k, n = (72, 256, 128) if dry else (1000, 1024, 768)  # M not a multiple of 16: the wgrad padding path
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g) * 2
+    x[5, 17] = 600.0  # saturates E4M3 under a delayed scale from a smaller amax
+    w = torch.randn(n, k, generator=g) * 0.02
+    dy = torch.randn(m, n, generator=g) * 1e-3
+    # BF16 as a GPU model trains; the dry run keeps the CPU models' float32
+    dtype = torch.float32 if dry else torch.bfloat16
+    return x.to(dtype), w.to(dtype), dy.to(dtype)
+
+
+def _quantizers_equal(rec, x, w, dy, device) -> dict:
+    """Operand name -> True when device and CPU quantization give identical FP8 bytes and scales."""
+    import torch
+
+    from nemo_fp8rl.fp8 import compute_scale, quantize
+
+    tensors = {"input": x, "weight": w, "grad_output": dy}
+    out = {}
+    for name, role, dim in OPERANDS:
+        t = tensors[role]
+        fmt = rec.format_for(role)
+        scale = None
+        if rec.scaling == "delayed":  # a scale from an older amax half of today's: the top values saturate
+            scale = compute_scale(t.float().abs().amax() * 0.5, fmt)
+        kw = dict(dim=dim, pow2_scales=rec.pow2_scales, eps=rec.amax_epsilon, block=rec.mx_block)
+        qd, sd = quantize(t.to(device), fmt, rec.granularity_for(role), scale=None if scale is None else scale.to(device), **kw)
+        qc, sc = quantize(t, fmt, rec.granularity_for(role), scale=scale, **kw)
+        out[name] = bool(torch.equal(qd.cpu().view(torch.uint8), qc.view(torch.uint8))
+                         and torch.equal(sd.cpu(), sc))
+    return out
+
+
+def _layer(rec, w, backend: str, device):
+    import torch
+
+    from nemo_fp8rl.fp8 import convert_to_fp8
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    seq = convert_to_fp8(torch.nn.Sequential(lin), rec, backend=backend)
+    return seq, seq[0]
+
+
+def _step(layer, x, dy):
+    x = x.clone().requires_grad_(True)
+    layer.weight.grad = None
+    y = layer(x)
+    y.backward(dy)
+    return y.detach(), x.grad.detach(), layer.weight.grad.detach()
+
+
+def _hats(rec, state, x, w, dy):
+    """The dequantized FP8 operands of forward, dgrad and wgrad (float32 ``data * scale_inv``, quantized
+    from the float32 value of each tensor): GEMM -> (a, b) with C = a @ b^T, a [rows, red], b [cols, red]."""
+    from nemo_fp8rl.fp8 import quantize_operand
+
+    def q(t, role, dim):
+        return quantize_operand(t.float(), role, dim, rec, state, record=False)
+
+    return {"forward": (q(x, "input", 1), q(w, "weight", 1)),
+            "dgrad": (q(dy, "grad_output", 1), q(w, "weight", 0).t()),
+            "wgrad": (q(dy, "grad_output", 0).t(), q(x, "input", 0).t())}
+
+
+def _compare(rec, label: str, x, w, dy, device) -> dict:
+    import torch
+
+    from nemo_fp8rl.fp8.backends import gemm_error_bound
+
+    row: dict = {}
+    x, w, dy = x.to(device), w.to(device), dy.to(device)
+    seq_t, lt = _layer(rec, w, "torch", device)
+    seq_e, le = _layer(rec, w, "emulate", device)
+    conv = seq_t.fp8_conversion
+    row["conversion"] = {k: conv.get(k) for k in ("converted", "emulated_fallback", "fallback_reasons", "backend")}
+    row["layer_backend"] = lt.fp8_backend
+    reason = next(iter(conv.get("fallback_reasons") or {}), None)
+    row["gemm"] = "torch._scaled_mm" if lt.fp8_backend == "torch" else f"emulated: {reason}"
+    if rec.scaling == "delayed":  # one step first: the checked step's scales come from an amax history
+        _step(lt, x, dy)
+        _step(le, x, dy)
+    state = copy.deepcopy(le.fp8_state)
+    outs = {"torch": _step(lt, x, dy), "emulate": _step(le, x, dy)}
+    fast = rec.accumulation == "fast"  # the torch backend's forward uses fast accumulation only then
+    for i, (gemm, (a, b)) in enumerate(_hats(rec, state, x, w, dy).items()):
+        exact = a.double() @ b.double().t()
+        bound = gemm_error_bound(a, b, x.dtype, fast_accum=fast and gemm == "forward")
+        entry = {}
+        for backend, res in outs.items():
+            err = (res[i].double() - exact).abs()
+            entry[f"{backend}_err_over_bound"] = float((err / bound).max())
+            entry[f"{backend}_finite"] = bool(torch.isfinite(res[i]).all())
+        entry["max_abs_torch_minus_emulate"] = float((outs["torch"][i].double() - outs["emulate"][i].double()).abs().max())
+        entry["max_abs_output"] = float(exact.abs().max())
+        row[gemm] = entry
+    return row
+
+
+def run(ctx) -> dict:
+    import torch
+
+    res = ctx.res
+    x, w, dy = _inputs(ctx.dry)
+    res.update(device=ctx.device if ctx.device == "cpu" else torch.cuda.get_device_name(),
+               shapes={"x": list(x.shape), "weight": list(w.shape), "dy": list(dy.shape)}, dtype=str(x.dtype),
+               recipes={}, problems=[])
+    if ctx.dry:
+        res["note"] = "dry run: the 'GPU' quantizer is the CPU's (code path only)"
+    cap = tuple(torch.cuda.get_device_capability()) if ctx.device == "cuda" else None
+    for label, _, _ in RECIPES:
+        rec = recipe(label)
+        try:
+            row = {"quantized_equal": _quantizers_equal(rec, x, w, dy, ctx.device)}
+            row.update(_compare(rec, label, x, w, dy, ctx.device))
+        except Exception as e:  # noqa: BLE001  (one recipe failing must not hide the others)
+            import traceback
+
+            row = {"error": f"{type(e).__name__}: {e}"[:1000]}
+            res["traceback"] = res.get("traceback", "") + f"--- {label}\n{traceback.format_exc()[-3000:]}"
+            res["problems"].append(f"{label}: {row['error']}")
+            res["recipes"][label] = row
+            ctx.save()
+            continue
+        bad = [k for k, ok in row["quantized_equal"].items() if not ok]
+        if bad:
+            res["problems"].append(f"{label}: device and CPU quantization differ for {bad}")
+        for gemm in ("forward", "dgrad", "wgrad"):
+            e = row[gemm]
+            for b in ("torch", "emulate"):
+                if not e[f"{b}_finite"] or not e[f"{b}_err_over_bound"] <= 1.0:
+                    res["problems"].append(f"{label} {gemm} {b}: |error| / bound = {e[f'{b}_err_over_bound']:.3g}")
+        if label == "mxfp8" and row["layer_backend"] == "torch" and cap is not None and cap[0] == 9:
+            res["problems"].append("mxfp8 claims a torch GEMM on Hopper, which has no MX kernel")
+        if label == "mxfp8" and cap is not None and cap[0] == 9:
+            row["gemm"] = f"emulated: no Hopper kernel ({row['gemm'].removeprefix('emulated: ')})"
+        res["recipes"][label] = row
+        ctx.save()
+    if res["problems"]:
+        res["failed"] = f"{len(res['problems'])} problem(s): {res['problems'][:3]}"
+    return res
+
+
+def headline(res: dict) -> str:
+    parts = []
+    for label, r in res.get("recipes", {}).items():
+        if "error" in r:
+            parts.append(f"{label}: {r['error'][:60]}")
+            continue
+        worst = max(r[g][f"{b}_err_over_bound"] for g in ("forward", "dgrad", "wgrad") for b in ("torch", "emulate"))
+        parts.append(f"{label} {'bytes equal' if all(r['quantized_equal'].values()) else 'BYTES DIFFER'}, "
+                     f"err/bound {worst:.2g} ({'torch' if r['layer_backend'] == 'torch' else 'emulated'})")
+    return "; ".join(parts)
+
+
+def tables(res: dict) -> list[str]:
+    lines = [f"Parity on {res.get('device')} (x {res.get('shapes', {}).get('x')}, W {res.get('shapes', {}).get('weight')}, "
+             f"{res.get('dtype')}): quantized operands device vs CPU, and max |error| / gemm_error_bound of each backend "
+             "against the float64 product of the same FP8 operands (<= 1 passes):", "",
+             "| recipe | GEMM | operands bit-equal | fwd torch | fwd emulate | dgrad torch | dgrad emulate | "
+             "wgrad torch | wgrad emulate | max abs torch-emulate (fwd/dgrad/wgrad) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in res.get("recipes", {}).items():
+        if "error" in r:
+            lines.append(f"| {label} | {r['error'][:100].replace('|', '/')} | | | | | | | | |")
+            continue
+        eq = r["quantized_equal"]
+        cells = [f"{r[g][f'{b}_err_over_bound']:.3g}" for g in ("forward", "dgrad", "wgrad") for b in ("torch", "emulate")]
+        diffs = "/".join(f"{r[g]['max_abs_torch_minus_emulate']:.2g}" for g in ("forward", "dgrad", "wgrad"))
+        lines.append(f"| {label} | {r['gemm'].replace('|', '/')} | {sum(eq.values())}/{len(eq)} | "
+                     + " | ".join(cells) + f" | {diffs} |")
+    return lines

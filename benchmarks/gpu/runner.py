@@ -1,0 +1,192 @@
+"""Run the GPU check's parts, each in its own child process with its own timeout, and write the summary.
+
+    python benchmarks/gpu/runner.py --out gpu_results [--dry-run] [--budget-s 460] [--parts env,parity]
+
+``benchmarks/gpu/run.sh`` is the one command a lent GPU machine runs; it installs the carried wheels
+and calls this. Parts run in order of how much they tell us (``PARTS``); each gets
+``min(its cap, time left - the minimum of the parts after it)`` seconds. A child that raises, crashes
+or outlives its timeout is recorded (traceback, output tail, what it saved so far) and the next part
+runs. ``summary.md`` and ``results.json`` are rewritten after every part, so a run cut short still
+brings back everything measured before. Parts that need Transformer Engine or vLLM are skipped with
+that reason where those are not installed (the H200 has neither). Exit code: 0 when no part failed,
+2 when one did, 1 without CUDA outside a dry run (only ``env`` runs then).
+
+Child mode (internal): ``runner.py --child NAME --result FILE --deadline T [--dry-run]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import summary  # noqa: E402  (benchmarks/gpu is not a package: its modules import each other by name)
+from common import Ctx  # noqa: E402
+
+# (name, cap seconds on a GPU, least seconds worth starting, requirement); the code is part_<name>.py
+PARTS = [
+    ("env", 60, 10, None),
+    ("parity", 90, 20, None),
+    ("throughput", 150, 60, None),
+    ("grpo", 180, 60, None),
+    ("shadow", 60, 20, None),
+    ("pytest_gpu", 90, 30, None),
+    ("distopt", 60, 20, None),
+    ("te_parity", 60, 15, "te"),
+    ("te_step", 120, 60, "te"),
+    ("vllm_rollout", 150, 60, "vllm"),
+    ("vllm_parity", 120, 45, "vllm"),
+]
+PART_NAMES = [p[0] for p in PARTS]
+
+
+class _Terminated(BaseException):
+    """SIGTERM from the runner's timeout: the child records it and saves what it has."""
+
+
+def missing_requirement(req: str | None, dry: bool) -> str | None:
+    """Why a part cannot run here (None = it can): Transformer Engine or vLLM absent."""
+    if req == "te" and importlib.util.find_spec("transformer_engine") is None:
+        return "Transformer Engine is not installed (GPU: pip install 'nemo-fp8rl[gpu]')"
+    if req == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            return "vLLM is not installed (GPU: pip install vllm; CPU: pip install 'nemo-fp8rl[vllm]')"
+        if dry and os.environ.get("GPU_CHECK_DRY_VLLM") != "1":
+            return "dry run: the vLLM parts start vLLM on the CPU (minutes); GPU_CHECK_DRY_VLLM=1 runs them"
+    return None
+
+
+def _child(name: str, result: Path, deadline: float, dry: bool, out: Path) -> None:
+    device = "cpu" if dry else "cuda"
+    ctx = Ctx(dry=dry, device=device, out=out, deadline=deadline, result_path=result)
+
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Terminated(f"signal {signum}: the part's timeout")
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        ret = importlib.import_module(f"part_{name}").run(ctx)
+        if ret:
+            ctx.res.update(ret)
+    except (Exception, _Terminated) as e:  # noqa: BLE001  (record, and let the runner go on)
+        ctx.res["error"] = f"{type(e).__name__}: {e}"[:2000]
+        ctx.res["traceback"] = ctx.res.get("traceback", "") + traceback.format_exc()[-6000:]
+    ctx.save()
+
+
+def status_of(res: dict) -> str:
+    if "error" in res or "failed" in res:
+        return "FAILED"
+    if isinstance(res.get("skipped"), str):
+        return "skipped"
+    return "ok"
+
+
+def _run_part(name: str, timeout: float, dry: bool, out: Path, tmp: Path) -> dict:
+    """One part in a child process (own session, so a timeout kills everything it started)."""
+    import json
+
+    result, log = tmp / f"{name}.json", tmp / f"{name}.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--result", str(result),
+           "--deadline", str(time.time() + timeout - 5), "--out", str(out)] + (["--dry-run"] if dry else [])
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGTERM)  # the child saves what it has
+            try:
+                rc = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+    text = log.read_text(errors="replace")
+    sys.stdout.write(f"----- {name} output\n{text[-20000:]}\n")
+    try:
+        res = json.loads(result.read_text()) if result.is_file() else {}
+    except json.JSONDecodeError as e:
+        res = {"error": f"unreadable result file ({e})"}
+    res["child_rc"] = rc
+    res["timeout_s"] = round(timeout)
+    if timed_out:
+        res["failed"] = f"timed out after {timeout:.0f}s (what it saved before is kept)"
+    elif rc != 0 and status_of(res) != "FAILED":
+        res["failed"] = f"child exit code {rc} (crashed: see output_tail)"
+    if status_of(res) == "FAILED":
+        res["output_tail"] = text[-3000:]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu_results")
+    ap.add_argument("--dry-run", action="store_true", help="every part on CPU tensors with tiny shapes")
+    ap.add_argument("--budget-s", type=float, default=460.0, help="wall seconds for all parts together")
+    ap.add_argument("--parts", default=",".join(PART_NAMES), help=f"comma-separated subset of {PART_NAMES}")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.child:
+        _child(args.child, Path(args.result), args.deadline, args.dry_run, out)
+        return
+    names = [n for n in args.parts.split(",") if n]
+    unknown = sorted(set(names) - set(PART_NAMES))
+    if unknown:
+        sys.exit(f"--parts: unknown part(s) {unknown}; valid: {PART_NAMES}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tracebacks.txt").unlink(missing_ok=True)  # of an earlier run into the same folder
+    deadline = time.time() + args.budget_s
+    import torch  # noqa: PLC0415  (only to know whether a GPU is here)
+
+    no_gpu = not args.dry_run and not torch.cuda.is_available()
+    title = f"# GPU check {time.strftime('%Y-%m-%d %H:%M:%S')}" + (" (dry run: CPU, tiny shapes)" if args.dry_run else "")
+    if no_gpu:
+        title += "\n\nno CUDA GPU: only env ran (run `bash benchmarks/gpu/run.sh --dry-run` on a CPU machine)"
+        names = [n for n in names if n == "env"]
+    meta = {"dry_run": args.dry_run, "budget_s": args.budget_s, "parts": names}
+    spec = {p[0]: p for p in PARTS}
+    done: list = []
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    for i, name in enumerate(names):
+        _, cap, least, req = spec[name]
+        t0 = time.time()
+        later = [n for n in names[i + 1:] if missing_requirement(spec[n][3], args.dry_run) is None]
+        reserve = sum(spec[n][2] for n in later)
+        budget = min(cap, deadline - time.time() - reserve)
+        why = missing_requirement(req, args.dry_run)
+        if why:
+            res = {"skipped": why}
+        elif deadline - time.time() < least:
+            res = {"skipped": f"out of time ({deadline - time.time():.0f}s left)"}
+        else:
+            res = _run_part(name, max(budget, least), args.dry_run, out, tmp)
+        res["part_seconds"] = round(time.time() - t0, 1)
+        done.append((name, status_of(res), res))
+        meta["elapsed_s"] = round(args.budget_s - (deadline - time.time()), 1)
+        summary.write(out, title, done, names[i + 1:], meta)
+        print(f"## {name}: {status_of(res)} ({res['part_seconds']:.1f}s) {summary.headline(name, res)}", flush=True)
+    print("\n" + (out / "summary.md").read_text().split("\n## ")[0], flush=True)
+    if no_gpu:
+        sys.exit(1)
+    sys.exit(2 if any(s == "FAILED" for _, s, _ in done) else 0)
+
+
+if __name__ == "__main__":
+    main()
