@@ -14,7 +14,7 @@ from nemo_fp8rl.models.hf_weights import count_parameters
 from nemo_fp8rl.models.parallel import validate_layout
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
-PRESETS = ["tiny", "llama3_8b", "qwen3_8b", "qwen2_5_32b", "qwen3_32b"]
+PRESETS = ["tiny", "smollm2_135m", "llama3_8b", "qwen3_8b", "qwen2_5_32b", "qwen3_32b"]
 # Parameter counts of the published checkpoints (sum of the safetensors tensors' sizes).
 PUBLISHED = {
     "llama3_8b": 8_030_261_248,
