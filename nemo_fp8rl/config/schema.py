@@ -246,6 +246,9 @@ class TaskConfig:
     answer_tag: str = "answer"
     """reasoning_gym: the response's last non-empty <answer_tag>...</answer_tag> is the scored answer; a
     response without one is invalid (rollout/invalid_frac)."""
+    response_prefix: str = ""
+    """reasoning_gym: text the assistant turn starts with, appended to every prompt (e.g. ``<answer>``: a
+    small model then answers in the tag format); rewards read response_prefix + response."""
 
 
 @dataclass
@@ -303,6 +306,12 @@ class LoggerConfig:
     """Write TensorBoard event files to <output_dir>/tb."""
     progress: str = "auto"
     """auto (bar on a terminal, lines otherwise) | bar | lines | none."""
+    samples: List[int] = field(default_factory=list)
+    """Steps (0-based) after whose rollout the trainer appends ``samples_per_step`` decoded generations
+    (prompt as the model saw it, response, reward) to ``<output_dir>/samples.jsonl``, so garbled text is
+    visible next to the metrics (``nemo-fp8rl-report`` shows them); [] = none. E.g. ``[0,10,19]``."""
+    samples_per_step: int = 3
+    """Generations written per sample step: the first response of each of the step's first prompts."""
 
 
 @dataclass
@@ -541,6 +550,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"optim.distributed={o.distributed!r} must be true, false or null (null = true on GPU, "
                           "false on CPU)")
     _choice("logger.progress", cfg.logger.progress, ["auto", "bar", "lines", "none"])
+    if any(not isinstance(k, int) or k < 0 for k in cfg.logger.samples) or cfg.logger.samples_per_step < 1:
+        raise ConfigError(f"logger.samples={list(cfg.logger.samples)} must list step numbers >= 0 (e.g. "
+                          f"logger.samples=[0,10,19]) and logger.samples_per_step={cfg.logger.samples_per_step} be >= 1")
     st = cfg.stability
     _choice("stability.action", st.action, ["warn", "stop", "none"])
     if st.patience < 1:

@@ -96,6 +96,9 @@ class ReasoningGymTask(Task):
         system_prompt: system turn of the chat template (plain text before the prompt without one).
         prompt_template: Python format string with ``{prompt}`` (the dataset's question).
         answer_tag: the tag whose last non-empty pair holds the final answer (``<answer>...</answer>``).
+        response_prefix: text the assistant turn starts with, appended to every prompt (e.g.
+            ``"<answer>"``: a small model then answers in the tag format); rewards and validity read
+            ``response_prefix + response``.
         format_reward: reward of a parseable answer that scores lower (0 = the checker's score only).
         max_prompt_len: most prompt tokens (chat template and system prompt included); longer
             problems are skipped and counted.
@@ -118,6 +121,7 @@ class ReasoningGymTask(Task):
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         prompt_template: str = "{prompt}",
         answer_tag: str = "answer",
+        response_prefix: str = "",
         format_reward: float = 0.0,
         max_prompt_len: int = 256,
         chat_template: bool = True,
@@ -146,6 +150,9 @@ class ReasoningGymTask(Task):
         self.system_prompt = system_prompt
         self.prompt_template = prompt_template
         self.answer_tag = answer_tag
+        if not isinstance(response_prefix, str):
+            raise ConfigError(f"task.response_prefix={response_prefix!r} must be a string ('' = none)")
+        self.response_prefix = response_prefix
         self.format_reward = float(format_reward)
         self.max_prompt_len = max_prompt_len
         self.chat_template = bool(chat_template)
@@ -231,9 +238,11 @@ class ReasoningGymTask(Task):
         turn), else ``[BOS] + encode(system_prompt + "\\n" + text)``."""
         encode_prompt = getattr(self.tokenizer, "encode_prompt", None)
         if encode_prompt is not None:
-            return list(encode_prompt(text, chat_template=self.chat_template, system_prompt=self.system_prompt or None))
-        return [self.tokenizer.bos_id] + self.tokenizer.encode((self.system_prompt + "\n" if self.system_prompt
-                                                                else "") + text)
+            ids = list(encode_prompt(text, chat_template=self.chat_template, system_prompt=self.system_prompt or None))
+        else:
+            ids = [self.tokenizer.bos_id] + self.tokenizer.encode((self.system_prompt + "\n" if self.system_prompt
+                                                                   else "") + text)
+        return ids + (list(self.tokenizer.encode(self.response_prefix)) if self.response_prefix else [])
 
     def _prompt(self, entry: dict[str, Any], source: str) -> Prompt | None:
         """The prompt of ``entry``; None (counted in ``skipped_by_reason``) when it cannot be encoded or is
@@ -352,7 +361,8 @@ class ReasoningGymTask(Task):
         """``reasoning_gym_reward(response, entry)`` with this task's dataset, tag and format reward bound."""
         return functools.partial(reasoning_gym_reward, dataset=self.dataset,
                                  dataset_kwargs_json=json.dumps(self.dataset_kwargs, sort_keys=True),
-                                 answer_tag=self.answer_tag, format_reward=self.format_reward)
+                                 answer_tag=self.answer_tag, format_reward=self.format_reward,
+                                 response_prefix=self.response_prefix)
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> Scores:
         """As :meth:`Task.score`, but the reward worker gets each prompt's whole reasoning-gym entry
@@ -360,8 +370,8 @@ class ReasoningGymTask(Task):
         return super().score([dataclasses.replace(p, answer=p.meta["entry"]) for p in prompts], responses)
 
     def is_valid(self, text: str) -> bool:
-        """Well-formed = holds a non-empty ``<answer_tag>...</answer_tag>`` pair."""
-        return extract_answer(text, self.answer_tag) is not None
+        """Well-formed = ``response_prefix + text`` holds an answer (:func:`extract_answer`)."""
+        return extract_answer(self.response_prefix + text, self.answer_tag) is not None
 
     def warmup_examples(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` held-out problems as ``prompt -> <answer>{answer}</answer> <eos>`` (teaches the format)."""
@@ -377,8 +387,11 @@ class ReasoningGymTask(Task):
                 continue
             skips = 0
             t = self.answer_tag
+            target = f"<{t}>{p.answer}</{t}>"
+            if self.response_prefix and target.startswith(self.response_prefix):
+                target = target[len(self.response_prefix):]  # the prompt already ends with the prefix
             try:
-                answer = self.tokenizer.encode(f"<{t}>{p.answer}</{t}>")
+                answer = self.tokenizer.encode(target)
             except ValueError:  # characters outside the character tokenizer's vocabulary
                 self._skip("unencodable", f"the answer of {p.meta['source']} has characters outside printable ASCII")
                 skips += 1

@@ -24,10 +24,17 @@ def _tag_pattern(tag: str) -> re.Pattern[str]:
 def extract_answer(text: str, tag: str = "answer") -> str | None:
     """The final answer of a response: the stripped content of its last ``<tag>...</tag>`` pair.
 
-    None when the response has no such pair or only empty ones (an unparseable response).
+    A last opening ``<tag>`` that is never closed (a small model that stops, or writes ``</tag`` or
+    ``</tag}``) counts up to the first ``<`` or line break after it. None when neither gives a
+    non-empty answer (an unparseable response).
     """
     found = [m.strip() for m in _tag_pattern(tag).findall(text)]
     found = [m for m in found if m]
+    last_open = text.rfind(f"<{tag}>")
+    if last_open >= 0 and text.find(f"</{tag}>", last_open) < 0:  # unclosed last tag
+        rest = re.split(r"[<\n]", text[last_open + len(tag) + 2:], maxsplit=1)[0].strip()
+        if rest:
+            found.append(rest)
     return found[-1] if found else None
 
 
@@ -40,7 +47,8 @@ def _scorer(dataset: str, dataset_kwargs_json: str) -> Any:
 
 
 def reasoning_gym_reward(response: str, entry: dict[str, Any], *, dataset: str, dataset_kwargs_json: str,
-                         answer_tag: str = "answer", format_reward: float = 0.0) -> tuple[float, bool]:
+                         answer_tag: str = "answer", format_reward: float = 0.0,
+                         response_prefix: str = "") -> tuple[float, bool]:
     """Reward of one response to a reasoning-gym problem.
 
     s = ``dataset.score_answer(extract_answer(response), entry)`` in [0, 1] (reasoning-gym's checker;
@@ -54,8 +62,10 @@ def reasoning_gym_reward(response: str, entry: dict[str, Any], *, dataset: str, 
         entry: the reasoning-gym entry (``{"question", "answer", "metadata"}``) the prompt came from.
         dataset, dataset_kwargs_json: the dataset name and its config keyword arguments as JSON
             (the scorer is built from them once per worker).
+        response_prefix: the text the prompt ended with inside the assistant turn (task.response_prefix);
+            the answer is extracted from ``response_prefix + response``.
     """
-    answer = extract_answer(response, answer_tag)
+    answer = extract_answer(response_prefix + response, answer_tag)
     if answer is None:
         return 0.0, False
     s = _scorer(dataset, dataset_kwargs_json).score_answer(answer, entry)

@@ -134,7 +134,25 @@ def test_reward_matches_reasoning_gyms_scorer():
     assert reasoning_gym_reward("<answer>1 + 1</answer>", e, **kw)[0] < 1.0
     assert reasoning_gym_reward("no tags", e, **kw) == (0.0, False)
     assert extract_answer("<answer>1</answer> then <answer> 2 </answer><answer> </answer>") == "2"
-    assert extract_answer("<answer>1", "answer") is None and extract_answer("<final>x</final>", "final") == "x"
+    assert extract_answer("<final>x</final>", "final") == "x"
+    # an unclosed last tag (a small model stops, or mistypes the closing tag) counts up to '<' or a line break
+    assert extract_answer("<answer>1") == "1" and extract_answer("<answer>42</answer\n\nmore") == "42"
+    assert extract_answer("<answer>82</answer}<|im_end|>") == "82" and extract_answer("<answer> <|im_end|>") is None
+
+
+def test_response_prefix_is_prompted_and_scored():
+    """task.response_prefix='<answer>': the prompt ends with it, the reward reads prefix + response."""
+    plain = get_task("reasoning_gym", dataset="chain_sum", seed=11)
+    t = get_task("reasoning_gym", dataset="chain_sum", seed=11, response_prefix="<answer>")
+    try:
+        p0, q0 = plain.prompts(1)[0], t.prompts(1)[0]
+        assert q0.ids == p0.ids + t.tokenizer.encode("<answer>")
+        scores = t.score([q0, q0, q0], [f"{q0.answer}</answer>", f"{q0.answer}", "no number"])
+        assert scores.rewards.tolist()[:2] == [1.0, 1.0] and scores.correct.tolist() == [True, True, False]
+        assert t.is_valid(q0.answer) and not plain.is_valid(q0.answer)
+    finally:
+        t.close()
+        plain.close()
 
 
 def test_config_errors_name_the_key_and_the_valid_values():
