@@ -909,6 +909,10 @@ def resolve_for_plan(cfg):
     from pathlib import Path
 
     model = cfg.model
+    if model.hf_path and model.hf_path.startswith("registry:"):  # a registry model: its cached directory
+        from nemo_fp8rl.models.registry import resolve_hf_path
+
+        model = dataclasses.replace(model, hf_path=resolve_hf_path(model.hf_path))
     if model.hf_path and Path(model.hf_path).is_dir():
         from nemo_fp8rl.models.hf import resolve_model_config
 

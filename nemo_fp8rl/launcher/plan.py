@@ -407,12 +407,13 @@ def _model_shape(train, stage: str):
     """The model shape the ranks will build: from ``model.hf_path``'s config.json when it is readable
     here (as the trainer resolves it), else the configured preset."""
     model = train.model
-    if not model.hf_path or not Path(model.hf_path).is_dir():
+    registry = bool(model.hf_path) and model.hf_path.startswith("registry:")
+    if not registry and (not model.hf_path or not Path(model.hf_path).is_dir()):
         return model  # e.g. a path that exists only inside the container: the trainer checks it at start
     from nemo_fp8rl.models.hf import resolve_model_config
 
     try:
-        return resolve_model_config(model)
+        return resolve_model_config(model)  # a registry model is fetched here once, as the trainer would
     except (ValueError, OSError) as e:
         raise LaunchError(f"{stage}.model.hf_path={model.hf_path!r}: {_scoped(str(e), stage)}") from None
 

@@ -258,3 +258,12 @@ def test_grpo_smoke_on_smollm2_with_fp8_and_calibration(smollm2, tmp_path):
     assert cfg["hf_path"] == str(smollm2[0]) and (cfg["num_layers"], cfg["vocab_size"]) == (30, 49152)
     assert "converted 120/120 linear layers" in proc.stdout + proc.stderr  # every linear of the 30 layers in FP8
     assert (out / "hf" / "config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
+
+
+def test_plan_reads_the_registry_models_shape(smollm2):
+    """nemo-fp8rl-plan model=smollm2_135m plans SmolLM2's 30 layers, not the preset's placeholder shape."""
+    code = ("import sys; from nemo_fp8rl.launch import plan_main; "
+            "sys.argv = ['nemo-fp8rl-plan', 'model=smollm2_135m', '--device', 'cpu']; plan_main()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "134.515M parameters" in proc.stdout and "30 layers" in proc.stdout, proc.stdout[:500]
