@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # (scripts/slurm_local.sh; best effort: if it cannot start, those tests skip with the reason). SLURM=0 skips it.
 SLURM ?= 1
 
-.PHONY: venv install install-test demo test lint clean
+.PHONY: venv install install-test demo demo-real test lint clean
 
 # `make demo`: the package and what it runs on (no test tools, no vLLM: a laptop try-out stays small).
 $(VENV)/.installed: pyproject.toml
@@ -37,6 +37,17 @@ install-test: $(VENV)/.installed-test
 
 demo: install
 	$(PY) -m nemo_fp8rl.demo
+
+# `make demo-real`: the demo's three arms on SmolLM2-135M-Instruct + reasoning-gym chain_sum (~30 min on 2
+# cores). The `real` extra (reasoning-gym, gguf, transformers); the torch constraint keeps pip off torch.
+$(VENV)/.installed-real: $(VENV)/.installed
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e ".[real]"
+	touch $@
+
+demo-real: $(VENV)/.installed-real
+	$(PY) -m nemo_fp8rl.models_cli fetch smollm2-135m
+	$(PY) -m nemo_fp8rl.demo --real
 
 test: install-test
 	@if [ "$(SLURM)" = 1 ] && [ "$$(id -u)" = 0 ]; then timeout 600 scripts/slurm_local.sh || \

@@ -10,7 +10,11 @@ per million parameters (``update_weights``, the call the trainer makes before ev
                                        [--threads N]
 
 ``--model tiny``: hidden 128, 2 layers, 4 heads (head dim 32), vocabulary 512; ``--model small``: hidden
-512, 8 layers, GQA 8/2, vocabulary 4096. Numbers depend on the machine and on what else runs on it:
+512, 8 layers, GQA 8/2, vocabulary 4096. ``--hf-path DIR`` (or ``registry:smollm2-135m``, fetched through
+the model registry on first use) benchmarks a real pretrained checkpoint with its own weights instead:
+
+    python benchmarks/bench_rollout.py --hf-path registry:smollm2-135m --batches 8 --lengths 32 --threads 1
+ Numbers depend on the machine and on what else runs on it:
 quote them with the machine (the first printed line names it). docs/results.md has numbers.
 
 Each cell reports the fastest of ``--repeats`` timed runs after one warm-up run per engine: other jobs on
@@ -27,6 +31,7 @@ import argparse
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -77,6 +82,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="32,128")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-path", default=None, metavar="DIR|registry:NAME",
+                    help="a Hugging Face checkpoint (its shape and weights) instead of --model's random weights")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for both engines (default: torch's)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM's first import: only the table on stdout
@@ -84,9 +91,19 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
-    cfg = ModelConfig(name=args.model, seq_length=args.prompt_len + max(lengths),
-                      untie_embeddings_and_output_weights=True, **SHAPES[args.model])
-    sd = random_weights(cfg)
+    if args.hf_path:
+        import dataclasses
+
+        from nemo_fp8rl.models.hf import load_hf_state_dict, resolve_model_config
+
+        cfg = resolve_model_config(ModelConfig(hf_path=args.hf_path))  # registry:NAME -> its cached directory
+        cfg = dataclasses.replace(cfg, seq_length=args.prompt_len + max(lengths))
+        sd = load_hf_state_dict(cfg.hf_path, cfg)
+        args.model = Path(cfg.hf_path).name
+    else:
+        cfg = ModelConfig(name=args.model, seq_length=args.prompt_len + max(lengths),
+                          untie_embeddings_and_output_weights=True, **SHAPES[args.model])
+        sd = random_weights(cfg)
     n_params = sum(t.numel() for t in sd.values())
     engines = {
         "torch": get_rollout_engine("torch", cfg, fp8_scheme="off", eos_id=0, pad_id=0),

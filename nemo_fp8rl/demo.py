@@ -13,9 +13,18 @@ The configuration makes the mechanism visible at tiny scale (NOTES-prototype): o
 from the FP8 rollout engine (``algorithm.old_logprobs=rollout``), so the importance ratio carries the
 rollout-vs-trainer FP8 mismatch, which is what pushes negative-advantage tokens below 1 - eps_low.
 All arms start from the same cached supervised warm-up. Then ``nemo-fp8rl-report`` writes
-``runs/demo/report/report.png`` and ``summary.md``.
+``runs/demo/report/report.png`` and ``summary.md`` (with sample generations of each arm at its first,
+middle and last step: ``logger.samples``).
+
+``--real`` (``make demo-real``): the same three arms on a real pretrained LLM, SmolLM2-135M-Instruct
+(``model=smollm2_135m``, fetched through the model registry on first use) with reasoning-gym's
+``chain_sum`` (``task=reasoning_gym``; prompts through the model's chat template), a short format
+warm-up, a small learning rate and batch (:data:`REAL`), written to ``runs/demo_real``; sized to about
+30 minutes for the three arms on 2 CPU cores (the per-step times measured are in docs/results.md,
+"Real model (SmolLM2-135M)").
 
     python -m nemo_fp8rl.demo [--steps N] [--out runs/demo] [--recipe tensorwise] [extra overrides...]
+    python -m nemo_fp8rl.demo --real [--steps N] [--out runs/demo_real] [extra overrides...]
 """
 
 from __future__ import annotations
@@ -36,11 +45,42 @@ ARMS = {
 # Shared by all arms: what makes the FP8 ratio noise visible on the tiny task (see module docstring).
 COMMON = ["algorithm=grpo", "algorithm.old_logprobs=rollout", "logger.progress=lines"]
 
+# --real: SmolLM2-135M-Instruct on reasoning-gym chain_sum, a small learning rate for a pretrained model,
+# and a batch that 2 CPU cores turn around in tens of seconds per step; problems of 2-3 terms of 1-2
+# digits. Zero-shot the model never writes the <answer></answer> tags the reward parses (measured: 0 of
+# 200 sampled responses at temperature 0.7, six prompt variants; benchmarks/study/real_notes.md), so
+# every reward, advantage and gradient would be 0; prefilling the tag (task.response_prefix) gives the
+# format but accuracy 0 (two steps of 32 responses). A short supervised warm-up on ``prompt ->
+# <answer>X</answer>`` (the task's warmup_examples, high precision, cached and shared by the three arms)
+# teaches the format first (measured: 30 steps, ~220 s, expected sampled accuracy 0.29 at temperature
+# 0.7; then every response was well formed and rewards were 0.19-0.25 per step). Groups with mixed
+# rewards are not in every step: seed 1's first step had none (gradient norm 0) at temperature 0.7 and
+# at 1, its second step had some. The rollout samples at temperature 1 (the policy itself). Answers are
+# then short (~9 tokens): 32 new tokens leave room for rambling. Calibration runs every 4 steps so that a
+# short run calibrates several times, and needs only 16 tokens (a step has ~300 response tokens).
+REAL = [
+    "model=smollm2_135m", "task=reasoning_gym", "task.dataset=chain_sum",
+    "+task.dataset_kwargs.min_terms=2", "+task.dataset_kwargs.max_terms=3", "+task.dataset_kwargs.min_digits=1",
+    "+task.dataset_kwargs.max_digits=2",
+    "warmup.steps=30", "warmup.batch_size=8", "warmup.lr=3e-5", "warmup.eval_interval=5", "warmup.eval_size=32",
+    "warmup.target_accuracy=0.3", "algorithm.prompts_per_step=8", "algorithm.group_size=4", "algorithm.minibatches_per_step=2",
+    "rollout.max_new_tokens=32", "rollout.temperature=1.0", "optim.lr=3e-6", "calibration.interval=4",
+    "calibration.min_tokens=16", "logger.tensorboard=false",
+]
+REAL_STEPS = 10
+"""Default RL steps per arm of ``--real`` (about 30 minutes for the three arms on 2 CPU cores)."""
 
-def arm_command(arm: str, out: Path, steps: int, recipe: str, seed: int, extra: list[str]) -> list[str]:
-    overrides = [o.format(recipe=recipe) for o in ARMS[arm]] + COMMON + [
+
+def sample_steps(steps: int) -> str:
+    """``logger.samples`` override: the first, middle and last step of a ``steps``-step run."""
+    return "logger.samples=[" + ",".join(str(s) for s in sorted({0, (steps - 1) // 2, max(steps - 1, 0)})) + "]"
+
+
+def arm_command(arm: str, out: Path, steps: int, recipe: str, seed: int, extra: list[str],
+                real: bool = False) -> list[str]:
+    overrides = [o.format(recipe=recipe) for o in ARMS[arm]] + COMMON + (REAL if real else []) + [
         f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={steps}", f"seed={seed}",
-        f"output_dir={out / arm}", f"warmup.cache_dir={out / '.warmup_cache'}",
+        f"output_dir={out / arm}", f"warmup.cache_dir={out / '.warmup_cache'}", sample_steps(steps),
     ] + list(extra)
     return [sys.executable, "-m", "nemo_fp8rl.train", *overrides]
 
@@ -48,14 +88,20 @@ def arm_command(arm: str, out: Path, steps: int, recipe: str, seed: int, extra: 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m nemo_fp8rl.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/demo", help="parent directory of the three runs")
-    ap.add_argument("--steps", type=int, default=150, help="RL steps per arm")
+    ap.add_argument("--real", action="store_true",
+                    help="SmolLM2-135M-Instruct on reasoning-gym chain_sum instead of the tiny model (make demo-real)")
+    ap.add_argument("--out", default=None, help="parent directory of the three runs (runs/demo; --real: runs/demo_real)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"RL steps per arm (150; --real: {REAL_STEPS})")
     ap.add_argument("--recipe", default="tensorwise", help="FP8 recipe of the two FP8 arms")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides applied to every arm")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out or ("runs/demo_real" if args.real else "runs/demo"))
+    steps = args.steps if args.steps is not None else (REAL_STEPS if args.real else 150)
+    if steps < 1:
+        ap.error(f"--steps={steps} must be >= 1")
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -65,7 +111,7 @@ def main(argv=None) -> None:
             ap.error(f"{out / a} already holds a run; remove it (or pass --out elsewhere) to rerun the demo")
     timings = {}
     for a in arms:
-        cmd = arm_command(a, out, args.steps, args.recipe, args.seed, args.overrides)
+        cmd = arm_command(a, out, steps, args.recipe, args.seed, args.overrides, real=args.real)
         print(f"\n=== {a}: {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
         t0 = time.time()
         rc = subprocess.call(cmd)

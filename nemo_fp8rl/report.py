@@ -4,7 +4,9 @@ Reads each run's ``metrics.jsonl`` and writes to ``--out`` (default ``<first run
 
 * ``report.png``: entropy, reward/accuracy, clip fractions by advantage sign, clip bounds in force,
   ``calib/alpha_fp8_nominal`` vs ``calib/alpha_bf16`` and the false-clip rate, rollout/trainer mismatch;
-* ``summary.md``: final metrics (mean of the last ``--last`` steps) per run.
+* ``summary.md``: final metrics (mean of the last ``--last`` steps) per run and, for runs that logged
+  sample generations (``logger.samples``, ``samples.jsonl``), the generations of the first, middle and
+  last sample steps, so garbled text can be read next to the metrics.
 """
 
 from __future__ import annotations
@@ -77,6 +79,45 @@ def summary_table(runs: Dict[str, List[dict]], last: int) -> str:
     return "\n".join(rows)
 
 
+def pick_sample_steps(steps: Sequence[int]) -> list[int]:
+    """The first, middle and last of the distinct ``steps`` (fewer when fewer were logged)."""
+    steps = sorted(set(steps))
+    if not steps:
+        return []
+    return sorted({steps[0], steps[(len(steps) - 1) // 2], steps[-1]})
+
+
+def _one_line(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def samples_markdown(run_dirs: Dict[str, str], per_step: int = 3, limit: int = 400, heading: str = "##") -> str:
+    """Markdown of the sample generations (``samples.jsonl``) of each run at its first, middle and last
+    sample step: question, reference answer, reward and the response as the model wrote it (in a code
+    block, cut at ``limit`` characters). Empty when no run logged samples."""
+    parts = []
+    for name, d in run_dirs.items():
+        recs = read_metrics(d, "samples.jsonl")
+        if not recs:
+            continue
+        parts.append(f"{heading}# {name}\n")
+        for step in pick_sample_steps([r["step"] for r in recs]):
+            parts.append(f"Step {step}:\n")
+            for r in [r for r in recs if r["step"] == step][:per_step]:
+                verdict = "correct" if r.get("correct") else ("invalid: no answer tag" if r.get("invalid") else "wrong")
+                resp = r.get("response", "")
+                resp = (resp if len(resp) <= limit else resp[:limit] + " [...]").replace("`", "'")
+                body = "".join(f"  {ln}\n" for ln in (resp.splitlines() or [""]))
+                parts.append(f"- reward {r.get('reward', float('nan')):.2f} ({verdict}); reference "
+                             f"`{r.get('answer', '')}`; question: {_one_line(r.get('question', ''), 200)}\n\n"
+                             f"  ```text\n{body}  ```\n")
+    if not parts:
+        return ""
+    return (f"{heading} Sample generations\n\nDecoded rollouts (`samples.jsonl`, `logger.samples`) at the first, "
+            "middle and last sample step of each run.\n\n" + "\n".join(parts))
+
+
 def plot(runs: Dict[str, List[dict]], path: Path, smooth: int = 5) -> None:
     import matplotlib
 
@@ -115,10 +156,12 @@ def make_report(run_dirs: Sequence[str], out_dir: Optional[str] = None, last: in
                 names: Optional[Sequence[str]] = None) -> Path:
     """Write ``report.png`` and ``summary.md`` for ``run_dirs``; returns the output directory."""
     runs: Dict[str, List[dict]] = {}
+    dirs: Dict[str, str] = {}
     for i, d in enumerate(run_dirs):
         if not (Path(d) / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{d}/metrics.jsonl not found: is {d} a run directory (output_dir)?")
-        runs[names[i] if names else Path(d).name] = read_metrics(d)
+        name = names[i] if names else Path(d).name
+        runs[name], dirs[name] = read_metrics(d), str(d)
     out = Path(out_dir) if out_dir else Path(run_dirs[0]).resolve().parent / "report"
     out.mkdir(parents=True, exist_ok=True)
     plot(runs, out / "report.png")
@@ -126,6 +169,7 @@ def make_report(run_dirs: Sequence[str], out_dir: Optional[str] = None, last: in
     (out / "summary.md").write_text(
         f"# Run comparison\n\nFinal metrics: mean over the last {last} logged steps "
         "(calibration metrics: over the last calibration steps).\n\n" + table + "\n\n![report](report.png)\n"
+        + ("\n" + samples if (samples := samples_markdown(dirs)) else "")
     )
     return out
 

@@ -16,7 +16,7 @@ SUMMARIZE = ROOT / "benchmarks" / "study" / "summarize.py"
 def _plan(*args: str) -> list[list[str]]:
     out = subprocess.run([sys.executable, str(RUN_STUDY), "--list", *args], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout.splitlines()
-    return [line.split() for line in out[:-1]]
+    return [line.split("#")[0].split() for line in out[:-1]]  # "# ~N min": the run's estimated wall time
 
 
 def test_plan_covers_the_grid_and_ablations():

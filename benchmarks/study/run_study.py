@@ -23,7 +23,18 @@ Groups:
 * ``long``: ``--long-steps`` (default 200) steps of the three arms at 2x the learning rate with E5M2
   activations and weights (bf16: the same learning rate), all seeds: the setting where the fixed-clip
   FP8 arm degrades while BF16 keeps learning (found by a search over the conditions of the ``stress``
-  group, lr 2e-4/3e-4/1e-3, 2-4 epochs, 16 minibatches, at 150-200 steps; see docs/results.md).
+  group, lr 2e-4/3e-4/1e-3, 2-4 epochs, 16 minibatches, at 150-200 steps; see docs/results.md);
+* ``real``: a real pretrained LLM, SmolLM2-135M-Instruct on reasoning-gym chain_sum with ``make
+  demo-real``'s settings (``nemo_fp8rl.demo.REAL``: short format warm-up, 8 prompts x 4 responses x 32
+  tokens, lr 3e-6, calibration every 4 steps), ``--real-steps`` steps, ``--real-seeds`` (default 1,2):
+  bf16 / fp8 fixed clip / fp8_calibrated for recipes tensorwise and blockwise, plus the stress setting
+  ``e5m2_2xlr`` (E5M2 activations and weights, 2x lr; bf16: 2x lr only). FP8 in training and rollout,
+  old log-probs from the rollout engine, so the TIS weight exp(old - rollout) is exactly 1 and TIS C=2
+  is a no-op here.
+
+Every run writes sample generations at its first, middle and last step (``logger.samples``).
+``--list`` prints the plan with an estimated wall time per run (from the per-step seconds of
+:data:`STEP_SECONDS`, measured on 2 shared CPU cores, one job at a time).
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from nemo_fp8rl.demo import sample_steps
 
 ARMS = {
     "bf16": ["fp8=off", "calibration=off"],
@@ -68,6 +81,17 @@ STRESS = {
 # conditions that apply to the FP8 arms only (there is no E5M2 or fast accumulation in high precision)
 FP8_ONLY = {"fp8.fp8_format=e5m2", "fp8.accumulation=fast"}
 LONG = {"e5m2_lr2e-4": ["fp8.fp8_format=e5m2", "optim.lr=2e-4"]}
+REAL_RECIPES = ["tensorwise", "blockwise"]
+REAL_STRESS = {"e5m2_2xlr": ["fp8.fp8_format=e5m2", "optim.lr=6e-6"]}  # 2x REAL's optim.lr=3e-6
+# Seconds per RL step for --list's estimates, measured on this project's 2 CPU cores shared with other
+# jobs, one run at a time: tiny model, the study's 32 prompts x 8 responses (docs/results.md "step s":
+# 0.4-0.8); SmolLM2 with REAL's 8 prompts x 4 responses (python -m nemo_fp8rl.demo --real --steps 2,
+# tensorwise, 2026-12-01: bf16 31.6 / 28.9 s, fp8 56.3 (calibration measured) / 42.5 s, fp8_calibrated
+# 52.8 / 48.0 s), plus ~20 s start-up and the final export per run. REAL_WARMUP_S: the format warm-up
+# (219 s measured), once per seed (cached, shared by the seed's runs).
+STEP_SECONDS = {"tiny": 0.8, "real/bf16": 32.0, "real/fp8": 48.0, "real/fp8_calibrated": 50.0}
+RUN_OVERHEAD_S = {"tiny": 5.0, "real": 30.0}
+REAL_WARMUP_S = 220.0
 
 
 def _arm_overrides(arm: str, extra: list[str]) -> list[str]:
@@ -104,9 +128,31 @@ def plan(args) -> list[dict]:
             for arm in ARMS:
                 runs.append(dict(group="long", name=f"{cond}/{arm}/seed{seed}", seed=seed, steps=args.long_steps,
                                  overrides=["algorithm=grpo", *_arm_overrides(arm, extra)]))
+    from nemo_fp8rl.demo import REAL
+
+    for seed in [int(s) for s in args.real_seeds.split(",")]:
+        runs.append(dict(group="real", name=f"bf16/seed{seed}", seed=seed, steps=args.real_steps, arm="bf16",
+                         overrides=["algorithm=grpo", *REAL, *ARMS["bf16"]]))
+        for recipe in REAL_RECIPES:
+            for arm in ("fp8", "fp8_calibrated"):
+                runs.append(dict(group="real", name=f"{recipe}/{arm}/seed{seed}", seed=seed, steps=args.real_steps,
+                                 arm=arm, overrides=["algorithm=grpo", *REAL, f"fp8={recipe}", *ARMS[arm]]))
+        for cond, extra in REAL_STRESS.items():
+            for arm in ARMS:
+                # _arm_overrides: fp8=tensorwise for the FP8 arms, only the lr for bf16; after REAL, so they win
+                runs.append(dict(group="real", name=f"{cond}/{arm}/seed{seed}", seed=seed, steps=args.real_steps,
+                                 arm=arm, overrides=["algorithm=grpo", *REAL, *_arm_overrides(arm, extra)]))
     if args.only:
         runs = [r for r in runs if r["group"] in args.only.split(",")]
     return runs
+
+
+def estimate_s(run: dict, steps: int) -> float:
+    """Estimated wall time of ``run`` (seconds) from :data:`STEP_SECONDS`."""
+    n = run.get("steps", steps)
+    if run["group"] == "real":
+        return RUN_OVERHEAD_S["real"] + n * STEP_SECONDS[f"real/{run['arm']}"]
+    return RUN_OVERHEAD_S["tiny"] + n * STEP_SECONDS["tiny"]
 
 
 def done(run_dir: Path, steps: int) -> bool:
@@ -122,7 +168,8 @@ def execute(run: dict, out: Path, steps: int, log_dir: Path, extra: list[str]) -
     # COMMON first: a run's own overrides (e.g. old_logprobs=recompute in an ablation) must win
     cmd = [sys.executable, "-m", "nemo_fp8rl.train", *COMMON, *run["overrides"], *extra, f"seed={run['seed']}",
            f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={max(steps // 2, 1)}",
-           f"output_dir={run_dir}", f"warmup.cache_dir={out / '.warmup_cache'}", "resume=true"]
+           f"output_dir={run_dir}", f"warmup.cache_dir={out / '.warmup_cache'}", "resume=true",
+           sample_steps(steps)]
     log = log_dir / (run["group"] + "__" + run["name"].replace("/", "__") + ".log")
     t0 = time.time()
     with open(log, "w") as f:
@@ -141,7 +188,9 @@ def main() -> None:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--algos", default=",".join(ALGOS))
     ap.add_argument("--long-steps", type=int, default=200, help="RL steps of the runs of the long group")
-    ap.add_argument("--only", default="", help="comma-separated groups: main, ablation, stress, long")
+    ap.add_argument("--real-steps", type=int, default=20, help="RL steps of the runs of the real group")
+    ap.add_argument("--real-seeds", default="1,2", help="seeds of the real group")
+    ap.add_argument("--only", default="", help="comma-separated groups: main, ablation, stress, long, real")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Hydra overrides appended to every run's own (e.g. a smaller warm-up for a smoke test)")
@@ -149,9 +198,13 @@ def main() -> None:
     runs = plan(args)
     out = Path(args.out)
     if args.list:
+        total = 0.0
         for r in runs:
-            print(r["group"], r["name"], " ".join(r["overrides"]))
-        print(f"{len(runs)} runs")
+            est = estimate_s(r, args.steps)
+            total += est
+            print(r["group"], r["name"], " ".join(r["overrides"]), f"# ~{est / 60:.0f} min")
+        print(f"{len(runs)} runs, ~{total / 3600:.1f} h one at a time (estimates from STEP_SECONDS; warm-ups: "
+              f"+~{REAL_WARMUP_S / 60:.0f} min per seed of the real group)")
         return
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +213,8 @@ def main() -> None:
     known = json.loads(meta_path.read_text())["runs"] if meta_path.is_file() else []
     names = {(r["group"], r["name"]) for r in runs}
     merged = [r for r in known if (r["group"], r["name"]) not in names] + runs
-    meta_path.write_text(json.dumps({"steps": args.steps, "long_steps": args.long_steps, "runs": merged,
+    meta_path.write_text(json.dumps({"steps": args.steps, "long_steps": args.long_steps,
+                                     "real_steps": args.real_steps, "runs": merged,
                                      "common": COMMON}, indent=1))
     # warm-ups first, one per seed (cached, shared by every run of that seed), so parallel jobs never
     # compute the same warm-up twice

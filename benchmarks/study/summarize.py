@@ -10,7 +10,9 @@ became its own running median, this ratio still shows it), final rollout-trainer
 ``mismatch/logp_abs_diff_mean`` over the last steps),
 ``clip/low_frac`` (mean over steps), ``calib/alpha_bf16``, ``calib/alpha_fp8_nominal`` and
 ``calib/false_clip_rate`` (means over calibration steps), invalid-output rate (mean), step time (mean).
-Cells are mean ± std over seeds. The prose of ``benchmarks/study/observations.md`` is included as is.
+The real-model section (group ``real``: SmolLM2-135M) adds final accuracy, ``clip/high_frac``, the
+number of steps flagged as an entropy surge or garbled output (``stability/*``) and the sample
+generations at the start, middle and end of each seed-1 run. Cells are mean ± std over seeds. The prose of ``benchmarks/study/observations.md`` is included as is.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import math
 import statistics
 from pathlib import Path
 
-from nemo_fp8rl.report import make_report
+from nemo_fp8rl.report import make_report, samples_markdown
 from nemo_fp8rl.trainer.logger import read_metrics
 
 COLUMNS = [
@@ -35,6 +37,22 @@ COLUMNS = [
     ("false_clip", "false-clip rate"),
     ("upper", "final upper"),
     ("invalid", "invalid rate"),
+    ("mismatch", "final mismatch"),
+    ("step_s", "step s"),
+]
+REAL_COLUMNS = [
+    ("reward", "final reward"),
+    ("accuracy", "final accuracy"),
+    ("entropy", "final entropy"),
+    ("surge", "max entropy ratio"),
+    ("surges", "entropy-surge steps"),
+    ("garbled", "garbled steps"),
+    ("invalid", "invalid rate"),
+    ("low_frac", "clip/low_frac"),
+    ("high_frac", "clip/high_frac"),
+    ("alpha_bf16", "alpha bf16"),
+    ("alpha_fp8", "alpha fp8 nominal"),
+    ("false_clip", "false-clip rate"),
     ("mismatch", "final mismatch"),
     ("step_s", "step s"),
 ]
@@ -54,10 +72,14 @@ def run_stats(run_dir: Path, last: int) -> dict | None:
     return {
         "steps": len(recs),
         "reward": _mean([r.get("reward/mean") for r in tail]),
+        "accuracy": _mean([r.get("reward/accuracy") for r in tail]),
         "entropy": _mean([r.get("policy/entropy") for r in tail]),
         "surge": max((r.get("stability/entropy_ratio") or 0.0) for r in recs),
         "entropy_rise": max(r["policy/entropy"] for r in recs) / _mean([r["policy/entropy"] for r in recs[:5]]),
         "low_frac": _mean([r.get("clip/low_frac") for r in recs]),
+        "high_frac": _mean([r.get("clip/high_frac") for r in recs]),
+        "surges": float(sum(1 for r in recs if (r.get("stability/entropy_surge") or 0.0) > 0)),
+        "garbled": float(sum(1 for r in recs if (r.get("stability/garbled") or 0.0) > 0)),
         "alpha_bf16": _mean([r.get("calib/alpha_bf16") for r in calib]),
         "alpha_fp8": _mean([r.get("calib/alpha_fp8_nominal") for r in calib]),
         "false_clip": _mean([r.get("calib/false_clip_rate") for r in calib]),
@@ -78,11 +100,11 @@ def cell(values: list) -> str:
     return f"{m:.3f} ± {statistics.stdev(vals):.3f}"
 
 
-def table(rows: list[tuple[str, list[dict]]]) -> str:
-    head = "| run | seeds | " + " | ".join(label for _, label in COLUMNS) + " |"
-    out = [head, "|---|---:|" + "---:|" * len(COLUMNS)]
+def table(rows: list[tuple[str, list[dict]]], columns: list[tuple[str, str]] = COLUMNS) -> str:
+    head = "| run | seeds | " + " | ".join(label for _, label in columns) + " |"
+    out = [head, "|---|---:|" + "---:|" * len(columns)]
     for name, stats in rows:
-        out.append(f"| {name} | {len(stats)} | " + " | ".join(cell([s[k] for s in stats]) for k, _ in COLUMNS) + " |")
+        out.append(f"| {name} | {len(stats)} | " + " | ".join(cell([s[k] for s in stats]) for k, _ in columns) + " |")
     return "\n".join(out)
 
 
@@ -117,6 +139,47 @@ def _arm_dirs(study: Path, group: str, cond: str, seed: int, bf16_name: str = ""
         dirs.append(d)
         names.append(name)
     return dirs, names
+
+
+def real_section(study: Path, meta: dict, figs: Path, last: int) -> list[str]:
+    """The "Real model (SmolLM2-135M)" section of docs/results.md from the runs of group ``real``."""
+    steps = meta.get("real_steps", 20)
+    conds = [("tensorwise", "tensorwise"), ("blockwise", "blockwise"), ("e5m2_2xlr", "e5m2_2xlr")]
+    rows = [("bf16", collect(study, "real/bf16/seed*", last))]
+    for cond, label in conds:
+        for arm in (("bf16",) if cond == "e5m2_2xlr" else ()) + ("fp8", "fp8_calibrated"):
+            rows.append((f"{label} / {arm}", collect(study, f"real/{cond}/{arm}/seed*", last)))
+    parts = ["## Real model (SmolLM2-135M)", "",
+             f"Command: `python benchmarks/study/run_study.py --out {study} --only real --real-steps {steps}` "
+             "(`--real-seeds`, default 1,2). SmolLM2-135M-Instruct (`model=smollm2_135m`, the registry's Q4_1 GGUF "
+             "decoded to float32) on reasoning-gym `chain_sum` (2-3 terms of 1-2 digits, prompts through the "
+             "model's chat template), the settings of `make demo-real` (`nemo_fp8rl.demo.REAL`): a short "
+             "supervised warm-up that teaches the `<answer>` format (zero-shot the model never writes it, so "
+             "every reward would be 0), then GRPO with 8 prompts x 4 responses x up to 32 new tokens, temperature 1, "
+             "lr 3e-6, calibration every 4 steps. FP8 in training and rollout (rollout scheme vllm_w8a8), old "
+             "log-probs from the rollout engine: the TIS weight exp(old - rollout) is then exactly 1, so TIS "
+             "C=2 is a no-op in this setting. `e5m2_2xlr`: E5M2 activations and weights "
+             "(`fp8.fp8_format=e5m2`) and 2x the learning rate (bf16: 2x the learning rate only). Final values: "
+             f"means over the last {last} steps; `entropy-surge steps` / `garbled steps`: steps flagged by the "
+             "stability monitor (`stability/entropy_surge`, `stability/garbled`), summed over the run.", ""]
+    notes = Path(__file__).resolve().parent / "real_notes.md"  # measured by hand: sizing, zero-shot behaviour
+    if notes.is_file():
+        parts += [notes.read_text().strip(), ""]
+    if not any(st for _, st in rows):
+        return parts + ["No runs of the real group in this study directory yet.", ""]
+    parts += [table(rows, REAL_COLUMNS), ""]
+    for cond, _ in conds:
+        dirs = [study / "real" / ("e5m2_2xlr/bf16" if cond == "e5m2_2xlr" else "bf16") / "seed1",
+                study / "real" / cond / "fp8" / "seed1", study / "real" / cond / "fp8_calibrated" / "seed1"]
+        names = ["bf16" + (" 2x lr" if cond == "e5m2_2xlr" else ""), f"{cond} fp8", f"{cond} fp8_calibrated"]
+        if all((d / "metrics.jsonl").is_file() for d in dirs):
+            target = figs / f"real_{cond}.png"
+            figure(dirs, names, target)
+            parts += [f"![real model, {cond}, seed 1](figures/{target.name})", ""]
+            samples = samples_markdown({n: str(d) for n, d in zip(names, dirs)}, heading="###")
+            if samples:
+                parts += [samples.replace("### Sample generations", f"### Sample generations: {cond}, seed 1", 1), ""]
+    return parts
 
 
 def main() -> None:
@@ -221,6 +284,7 @@ def main() -> None:
                 target = figs / f"long_e5m2_lr2e-4_seed{seed}.png"
                 figure(dirs, names, target)
                 parts += [f"![e5m2 lr 2e-4, seed {seed}](figures/{target.name})", ""]
+    parts += real_section(study, meta, figs, args.last)
     # measured by benchmarks/bench_rollout.py, kept in its own file so a re-summarized study keeps it
     rollout = here / "rollout_results.md"
     if rollout.is_file():

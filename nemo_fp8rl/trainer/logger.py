@@ -1,8 +1,10 @@
-"""Per-step metrics: ``metrics.jsonl`` (one object per step), TensorBoard, and a progress display.
+"""Per-step metrics: ``metrics.jsonl`` (one object per step), TensorBoard, and a progress display;
+sample generations: ``samples.jsonl`` (one object per decoded rollout at the ``logger.samples`` steps:
+``step``, ``prompt``, ``question``, ``answer``, ``response``, ``reward``, ``correct``, ``invalid``).
 
-On resume from step N, lines of ``metrics.jsonl`` for steps >= N are dropped (they belong to the
-trajectory that was lost) and TensorBoard events from step N on are purged, so every step appears
-exactly once.
+On resume from step N, lines of ``metrics.jsonl`` and ``samples.jsonl`` for steps >= N are dropped
+(they belong to the trajectory that was lost) and TensorBoard events from step N on are purged, so
+every step appears exactly once.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 PROGRESS_KEYS = ("reward/mean", "policy/entropy", "clip/lower", "clip/upper", "clip/low_frac")
 
@@ -43,6 +45,7 @@ class MetricsLogger:
                  start_step: int = 0, enabled: bool = True) -> None:
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.samples_path = Path(output_dir) / "samples.jsonl"
         self.max_steps = max_steps
         self.tb = None
         self.mode = progress
@@ -53,6 +56,7 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_jsonl(self.path, start_step) if self.path.exists() else self.path.touch()
+        truncate_jsonl(self.samples_path, start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -74,6 +78,16 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
         self._progress(step, metrics)
+
+    def log_samples(self, step: int, records: List[dict]) -> None:
+        """Append ``records`` (decoded generations of ``step``) to ``samples.jsonl``, one line each."""
+        if not self.enabled or not records:
+            return
+        with open(self.samples_path, "a") as f:
+            for r in records:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def _progress(self, step: int, m: Dict[str, float]) -> None:
         if self.mode == "none":
@@ -99,9 +113,10 @@ class MetricsLogger:
             self.tb = None
 
 
-def read_metrics(output_dir: str) -> list[dict]:
-    """All records of ``<output_dir>/metrics.jsonl`` (skipping a cut last line)."""
-    path = Path(output_dir) / "metrics.jsonl"
+def read_metrics(output_dir: str, name: str = "metrics.jsonl") -> list[dict]:
+    """All records of ``<output_dir>/metrics.jsonl`` (or ``name``, e.g. ``samples.jsonl``), skipping a cut
+    last line."""
+    path = Path(output_dir) / name
     out = []
     if not path.is_file():
         return out

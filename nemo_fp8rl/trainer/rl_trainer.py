@@ -217,6 +217,7 @@ class RLTrainer:
         self._start_decided = False  # decide_start(): fresh or resume, once for all ranks
         self._resume_step: Optional[int] = None
         self.logger: Optional[MetricsLogger] = None
+        self._samples_written = -1  # the last step whose generations went to samples.jsonl (logger.samples)
         self._log_file: Optional[logging.Handler] = None
 
     # ------------------------------------------------------------------ setup
@@ -295,6 +296,9 @@ class RLTrainer:
         batch = self._engine_generate([p.ids for p in expanded])
         texts = [self.task.response_text(r) for r in batch.responses()]
         scores = self.task.score(expanded, texts)
+        if self.step_idx in self.cfg.logger.samples and self._samples_written != self.step_idx and self.logger:
+            self._samples_written = self.step_idx  # the step's first rollout round (dynamic sampling may add more)
+            self.logger.log_samples(self.step_idx, self._sample_records(expanded, texts, scores))
         rewards = scores.rewards.clone()
         if a.overlong_buffer_len > 0:
             rewards = rewards + overlong_reward_shaping(
@@ -302,6 +306,14 @@ class RLTrainer:
             )
         adv = self.adv_fn(rewards, a.group_size, **({"norm_by_std": a.norm_adv_by_std} if a.adv_estimator == "grpo" else {}))
         return batch, scores, rewards, adv
+
+    def _sample_records(self, expanded, texts, scores) -> list[dict]:
+        """``logger.samples_per_step`` decoded generations: the first response of each of the first prompts."""
+        tok, g = self.task.tokenizer, self.cfg.algorithm.group_size
+        return [{"prompt": tok.decode(expanded[i].ids), "question": expanded[i].text, "answer": expanded[i].answer,
+                 "response": texts[i], "reward": float(scores.rewards[i]), "correct": bool(scores.correct[i]),
+                 "invalid": bool(scores.invalid[i])}
+                for i in range(0, len(expanded), g)[: self.cfg.logger.samples_per_step]]
 
     def _engine_generate(self, prompts: list[list[int]]):
         """The engine's batch for ``prompts``, the same on every model-parallel rank of the replica.
