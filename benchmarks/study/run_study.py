@@ -133,11 +133,13 @@ def plan(args) -> list[dict]:
     for seed in [int(s) for s in args.real_seeds.split(",")]:
         runs.append(dict(group="real", name=f"bf16/seed{seed}", seed=seed, steps=args.real_steps, arm="bf16",
                          overrides=["algorithm=grpo", *REAL, *ARMS["bf16"]]))
-        for recipe in REAL_RECIPES:
+        for recipe in [r for r in args.real_recipes.split(",") if r]:
             for arm in ("fp8", "fp8_calibrated"):
                 runs.append(dict(group="real", name=f"{recipe}/{arm}/seed{seed}", seed=seed, steps=args.real_steps,
                                  arm=arm, overrides=["algorithm=grpo", *REAL, f"fp8={recipe}", *ARMS[arm]]))
         for cond, extra in REAL_STRESS.items():
+            if seed not in [int(s) for s in args.real_stress_seeds.split(",") if s]:
+                continue
             for arm in ARMS:
                 # _arm_overrides: fp8=tensorwise for the FP8 arms, only the lr for bf16; after REAL, so they win
                 runs.append(dict(group="real", name=f"{cond}/{arm}/seed{seed}", seed=seed, steps=args.real_steps,
@@ -190,6 +192,9 @@ def main() -> None:
     ap.add_argument("--long-steps", type=int, default=200, help="RL steps of the runs of the long group")
     ap.add_argument("--real-steps", type=int, default=20, help="RL steps of the runs of the real group")
     ap.add_argument("--real-seeds", default="1,2", help="seeds of the real group")
+    ap.add_argument("--real-recipes", default=",".join(REAL_RECIPES), help="FP8 recipes of the real group's main arms")
+    ap.add_argument("--real-stress-seeds", default="1,2",
+                    help="seeds of the real group's stress condition (E5M2, 2x lr); '' = none")
     ap.add_argument("--only", default="", help="comma-separated groups: main, ablation, stress, long, real")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
