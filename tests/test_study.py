@@ -69,3 +69,27 @@ def test_long_group_runs_resumes_and_summarizes(tmp_path):
                (out / "long/e5m2_lr2e-4/fp8/seed1/metrics.jsonl").read_text().splitlines()]
     assert rows[1].split("|")[3].strip() == f"{sum(rewards) / 2:.3f}"
     assert (figs / "long_e5m2_lr2e-4_seed1.png").stat().st_size > 10_000
+
+
+def test_summarize_keeps_sections_whose_runs_are_not_in_the_study_dir():
+    """A study directory holding one group must not wipe the others' tables from docs/results.md."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("summarize", SUMMARIZE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = "| run | seeds | final reward |\n|---|---:|---:|\n"
+    old = ("# Results\n\nold preamble\n\n## How the study was run\n\n60 steps\n\n## Main grid: GRPO\n\n"
+           + row + "| bf16 | 3 | 0.77 |\n\n## Stress conditions\n\n" + row + "| e5m2 / fp8 | 1 | 0.42 |\n\n"
+           "## Real model (SmolLM2-135M)\n\nNo runs of the real group in this study directory yet.\n\n## H200 check\n\nold")
+    new = ("# Results\n\nnew preamble\n\n## How the study was run\n\n100 steps\n\n## Main grid: GRPO\n\n"
+           + row + "| bf16 | 0 | - |\n\n## Real model (SmolLM2-135M)\n\n" + row + "| bf16 | 2 | 0.19 |\n\n"
+           "## H200 check\n\nnew")
+    merged = mod.keep_measured_sections(old, new)
+    heads = [line for line in merged.splitlines() if line.startswith("## ")]
+    assert heads == ["## How the study was run", "## Main grid: GRPO", "## Stress conditions",
+                     "## Real model (SmolLM2-135M)", "## H200 check"]
+    assert "| bf16 | 3 | 0.77 |" in merged and "| e5m2 / fp8 | 1 | 0.42 |" in merged  # kept: no runs in new
+    assert "old preamble" in merged and "60 steps" in merged  # they describe the kept main grid
+    assert "| bf16 | 2 | 0.19 |" in merged and "No runs of the real group" not in merged  # measured: new wins
+    assert merged.rstrip().endswith("new")  # sections without run tables are regenerated

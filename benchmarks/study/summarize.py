@@ -182,6 +182,52 @@ def real_section(study: Path, meta: dict, figs: Path, last: int) -> list[str]:
     return parts
 
 
+def _sections(text: str) -> list[tuple[str, str]]:
+    """``[(header, body)]`` of a markdown document split at its ``## `` headers (the preamble has header "")."""
+    out: list[tuple[str, list[str]]] = [("", [])]
+    for line in text.splitlines():
+        if line.startswith("## "):
+            out.append((line, []))
+        out[-1][1].append(line)
+    return [(h, "\n".join(body).strip("\n")) for h, body in out]
+
+
+def _has_runs(body: str) -> bool:
+    """A generated section holds measured runs: some table row has a non-zero ``seeds`` count, or it has no
+    run table at all (prose, the H200 check); the "no runs yet" text of the real-model section counts as empty."""
+    if "No runs of the real group in this study directory yet." in body:
+        return False
+    rows = [r for r in body.splitlines() if r.startswith("| ") and not r.startswith("| run ")]
+    counts = [r.split("|")[2].strip() for r in rows if len(r.split("|")) > 3]
+    counts = [c for c in counts if c.isdigit()]
+    return not counts or any(int(c) > 0 for c in counts)
+
+
+# Sections that describe the main grid's runs (its step count, its command): kept with the main grid.
+_TIED = {"": ("## Main grid: GRPO", "## Main grid: DAPO"),
+         "## How the study was run": ("## Main grid: GRPO", "## Main grid: DAPO")}
+
+
+def keep_measured_sections(old: str, new: str) -> str:
+    """The regenerated document ``new``, keeping from ``old`` every section the new study directory has no
+    runs for: a study directory that holds only some groups (a slice, another machine) must not wipe the
+    tables of the others. A kept section stays where it was relative to its neighbours in ``old``; the
+    preamble and "How the study was run" follow the main grid (:data:`_TIED`)."""
+    new_secs = dict(_sections(new))
+    old_secs = _sections(old)
+    order = [h for h, _ in _sections(new)]
+    for i, (h, _) in enumerate(old_secs):  # sections only the old document has: after their old predecessor
+        if h not in new_secs:
+            prev = next((old_secs[j][0] for j in range(i - 1, -1, -1) if old_secs[j][0] in order), "")
+            order.insert(order.index(prev) + 1, h)
+    old_map = dict(old_secs)
+    from_old = {h for h in order if h and h in old_map and _has_runs(old_map[h])
+                and (h not in new_secs or not _has_runs(new_secs[h]))}
+    from_old |= {h for h, deps in _TIED.items() if h in old_map and all(d in from_old for d in deps)}
+    kept = [old_map[h] if h in from_old else new_secs[h] for h in order if h in from_old or h in new_secs]
+    return "\n\n".join(kept) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", default="runs/study")
@@ -295,7 +341,11 @@ def main() -> None:
     parts += [(here.parent / "gpu" / "h200_check.md").read_text().strip(), "",
               gpu.read_text().strip() if gpu.is_file() else
               "No H200 numbers yet: the check has not run on a lent H200. The numbers go here when it does.", ""]
-    Path(args.doc).write_text("\n".join(parts) + "\n")
+    doc = Path(args.doc)
+    text = "\n".join(parts) + "\n"
+    if doc.is_file():
+        text = keep_measured_sections(doc.read_text(), text)
+    doc.write_text(text)
     print(f"wrote {args.doc}")
 
 
