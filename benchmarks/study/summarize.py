@@ -223,7 +223,8 @@ def keep_measured_sections(old: str, new: str) -> str:
     old_map = dict(old_secs)
     from_old = {h for h in order if h and h in old_map and _has_runs(old_map[h])
                 and (h not in new_secs or not _has_runs(new_secs[h]))}
-    from_old |= {h for h, deps in _TIED.items() if h in old_map and all(d in from_old for d in deps)}
+    from_old |= {h for h, deps in _TIED.items() if h in old_map and any(d in old_map for d in deps)
+                 and all(d in from_old for d in deps if d in old_map)}
     kept = [old_map[h] if h in from_old else new_secs[h] for h in order if h in from_old or h in new_secs]
     return "\n\n".join(kept) + "\n"
 
