@@ -829,8 +829,8 @@ def describe(cfg, options: PlanOptions, plan: MemoryPlan) -> str:
         f"device {where}" + (f", headroom {options.headroom:.0%} (assumed)" if options.device == "gpu" else ""),
     ]
     if options.device == "gpu" and cfg.fp8.backend in ("emulate", "torch") and cfg.fp8.recipe not in (None, "off"):
-        lines.append(f"fp8.backend={cfg.fp8.backend}: our FP8 linears on a GPU keep float32 master copies as the CPU "
-                     "profile does (--device cpu); this GPU profile models Transformer Engine")
+        lines.append(f"fp8.backend={cfg.fp8.backend}: our FP8 linears, not Transformer Engine's; this GPU profile "
+                     "models TE's layers (FP8 weight copies, workspaces), so read it as an estimate for this run")
     if options.device == "gpu":
         if plan.rollout is None:
             lines.append(f"rollout engine {cfg.rollout.engine!r}: runs on the host today (no GPU memory); "
