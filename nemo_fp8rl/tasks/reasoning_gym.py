@@ -244,6 +244,11 @@ class ReasoningGymTask(Task):
                                                                    else "") + text)
         return ids + (list(self.tokenizer.encode(self.response_prefix)) if self.response_prefix else [])
 
+    def _heldout_prompt(self, generator: torch.Generator) -> Prompt | None:
+        """The prompt of a random item of the held-out chunk (one draw of ``generator``); None as :meth:`_prompt`."""
+        i = int(torch.randint(0, self.chunk_size, (1,), generator=generator))
+        return self._prompt(self.heldout_entry(i), f"reasoning_gym/{self.dataset}:held-out:{i}")
+
     def _prompt(self, entry: dict[str, Any], source: str) -> Prompt | None:
         """The prompt of ``entry``; None (counted in ``skipped_by_reason``) when it cannot be encoded or is
         longer than ``max_prompt_len``."""
@@ -284,8 +289,7 @@ class ReasoningGymTask(Task):
         skips = 0
         while len(out) < n:
             if generator is not None:
-                i = int(torch.randint(0, self.chunk_size, (1,), generator=generator))
-                p = self._prompt(self.heldout_entry(i), f"reasoning_gym/{self.dataset}:held-out:{i}")
+                p = self._heldout_prompt(generator)
             else:
                 g = self.start + self.shard_rank + self.num_shards * self.position
                 self.position += 1
@@ -379,8 +383,7 @@ class ReasoningGymTask(Task):
         seqs, plens = [], []
         skips = 0
         while len(seqs) < n:
-            i = int(torch.randint(0, self.chunk_size, (1,), generator=g))
-            p = self._prompt(self.heldout_entry(i), f"reasoning_gym/{self.dataset}:held-out:{i}")
+            p = self._heldout_prompt(g)
             if p is None:
                 skips += 1
                 self._skip_guard(skips)
