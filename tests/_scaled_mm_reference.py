@@ -31,11 +31,13 @@ def expand_scale(scale: torch.Tensor, kind, rows: int, cols: int, operand: str) 
     raise AssertionError(kind)
 
 
-def reference_kernel(calls):
+def reference_kernel(calls, exact_output: bool = False):
+    """The kernel; ``exact_output``: return the float64 product as float32 instead of rounding it to the
+    requested (bf16) output dtype, to compare a whole model with the emulation at float noise."""
     def kernel(mat_a, mat_b, scale_a, gran_a, scale_b, gran_b, out_dtype, fast_accum):
         ka, kb = backends._scaling_type(gran_a), backends._scaling_type(gran_b)
         calls.append((mat_a, mat_b, scale_a, ka, scale_b, kb, out_dtype))
         a = mat_a.double() * expand_scale(scale_a.double(), ka, *mat_a.shape, "a")
         b = mat_b.double() * expand_scale(scale_b.double(), kb, *mat_b.shape, "b")
-        return (a @ b).to(out_dtype)
+        return (a @ b).to(torch.float32 if exact_output else out_dtype)
     return kernel

@@ -68,8 +68,8 @@ def resolve_model_fp8_backend(fp8_backend: Optional[str], use_te: Optional[bool]
     """``fp8.backend`` (or the older ``use_te`` switch) -> ``te`` | ``torch`` | ``emulate`` for a model on ``device``.
 
     ``fp8_backend=None`` with ``use_te=None``: ``te`` when Transformer Engine imports on a GPU, else
-    ``torch`` on an FP8-capable GPU, else ``emulate``. ``use_te=True`` means ``te``, ``False`` the
-    local spec with the given (or the automatic non-TE) backend.
+    ``torch`` on an FP8-capable GPU, else ``emulate``. ``use_te=True`` means ``te``; ``use_te=False``
+    means ``emulate`` unless ``fp8_backend`` names another non-TE backend.
     """
     from nemo_fp8rl.fp8.backends import resolve_fp8_backend
 
@@ -78,6 +78,8 @@ def resolve_model_fp8_backend(fp8_backend: Optional[str], use_te: Optional[bool]
         if fp8_backend not in (None, "te"):
             raise ValueError(f"use_te=True contradicts fp8.backend={fp8_backend!r}; set only fp8.backend")
         return "te"
+    if use_te is False and fp8_backend is None:
+        return "emulate"  # the older switch: use_te=False meant the emulated spec (as fp8.use_te=false does)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
