@@ -33,7 +33,7 @@ def to_train_config(dict_cfg):
     """OmegaConf DictConfig (from Hydra) -> validated :class:`TrainConfig`."""
     from omegaconf import OmegaConf
 
-    from nemo_fp8rl.config.schema import validate
+    from nemo_fp8rl.validation import validate
     from nemo_fp8rl.models.hf import resolve_model_config
 
     cfg = OmegaConf.to_object(dict_cfg)

@@ -54,7 +54,7 @@ def test_demo_real_arms_compose_into_valid_configs(tmp_path):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from nemo_fp8rl.config.schema import validate
+    from nemo_fp8rl.validation import validate
     from nemo_fp8rl.demo import ARMS, REAL_STEPS, arm_command
     from nemo_fp8rl.train import CONF_DIR, register_schema
 

@@ -879,7 +879,8 @@ def train_config_from_overrides(overrides: list[str], compose_train):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from nemo_fp8rl.config.schema import ConfigError, validate
+    from nemo_fp8rl.config.schema import ConfigError
+    from nemo_fp8rl.validation import validate
 
     groups, keys = [], []
     for o in overrides:
@@ -919,8 +920,7 @@ def resolve_for_plan(cfg):
         model = resolve_model_config(model)
     if model.vocab_size is None:
         try:
-            from nemo_fp8rl.tasks import get_task, task_class
-            from nemo_fp8rl.trainer.rl_trainer import task_kwargs
+            from nemo_fp8rl.tasks import get_task, task_class, task_kwargs
 
             task = get_task(cfg.task.name, **task_kwargs(cfg, task_class(cfg.task.name), seed=0))
             model = dataclasses.replace(model, vocab_size=task.tokenizer.vocab_size)

@@ -350,7 +350,8 @@ def _train_config(raw: dict, stage: str, where: str, results_dir: Path,
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from nemo_fp8rl.config.schema import ConfigError, validate
+    from nemo_fp8rl.config.schema import ConfigError
+    from nemo_fp8rl.validation import validate
 
     groups = raw.get("config_groups") or {}
     if not isinstance(groups, dict) or not all(isinstance(v, str) for v in groups.values()):

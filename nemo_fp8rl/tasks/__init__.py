@@ -25,6 +25,7 @@ _EXPORTS = {
     "register_task": "base",
     "task_names": "base",
     "task_class": "base",
+    "task_kwargs": "base",
     "pad_examples": "base",
     "reshard_seed": "base",
     "ArithmeticTask": "arithmetic",
@@ -39,7 +40,7 @@ _EXPORTS = {
 
 __all__ = [  # noqa: RUF022 - same order as _EXPORTS
     "Task", "Tokenizer", "CharTokenizer", "Prompt", "Scores", "get_task", "register_task", "task_names",
-    "task_class", "pad_examples", "reshard_seed", "ArithmeticTask", "MathJsonlTask", "JsonlDataError",
+    "task_class", "task_kwargs", "pad_examples", "reshard_seed", "ArithmeticTask", "MathJsonlTask", "JsonlDataError",
     "ReasoningGymTask", "HFTokenizer", "load_tokenizer", "RewardRunner", "RewardResult",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)

@@ -16,16 +16,20 @@ in ``reward/errors``; training goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from nemo_fp8rl.algorithms.metrics import Metric, make_metric
 from nemo_fp8rl.tasks.reward_runner import RewardRunner
+
+if TYPE_CHECKING:
+    from nemo_fp8rl.config.schema import TrainConfig
 
 __all__ = [
     "CharTokenizer",
@@ -332,6 +336,19 @@ def task_class(name: str) -> type:
     if name not in _TASKS:
         raise ValueError(f"unknown task {name!r} (config key task.name); registered tasks: {sorted(_TASKS)}")
     return _TASKS[name]  # type: ignore[return-value]
+
+
+def task_kwargs(cfg: "TrainConfig", factory, seed: int, dp_rank: int = 0, dp_size: int = 1) -> dict:
+    """The TaskConfig fields the task's constructor accepts, plus its prompt-stream seed and, for a task
+    that reads a dataset (``num_shards`` in its signature) under data parallelism, this rank's shard of
+    each epoch with a permutation seed shared by all ranks (``cfg.seed * 1000 + 29``)."""
+    params = inspect.signature(factory).parameters
+    kw = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "name" and k in params}
+    if "seed" in params:
+        kw["seed"] = seed
+    if dp_size > 1 and "num_shards" in params:
+        kw.update(shard_rank=dp_rank, num_shards=dp_size, shuffle_seed=cfg.seed * 1000 + 29)
+    return kw
 
 
 def get_task(name: str, **cfg: Any) -> Task:

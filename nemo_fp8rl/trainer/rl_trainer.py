@@ -47,25 +47,13 @@ from nemo_fp8rl.algorithms import (
     reduce_metrics,
     rollout_correction,
 )
-from nemo_fp8rl.config.schema import TrainConfig, build_fp8_recipe, validate
+from nemo_fp8rl.config.schema import TrainConfig, build_fp8_recipe
+from nemo_fp8rl.validation import validate
 from nemo_fp8rl.fp8 import collect_fp8_stats
 from nemo_fp8rl.trainer.checkpoint import CheckpointManager
 from nemo_fp8rl.trainer.logger import MetricsLogger
 
 logger = logging.getLogger(__name__)
-
-
-def task_kwargs(cfg: TrainConfig, factory, seed: int, dp_rank: int = 0, dp_size: int = 1) -> dict:
-    """The TaskConfig fields the task's constructor accepts, plus its prompt-stream seed and, for a task
-    that reads a dataset (``num_shards`` in its signature) under data parallelism, this rank's shard of
-    each epoch with a permutation seed shared by all ranks (``cfg.seed * 1000 + 29``)."""
-    params = inspect.signature(factory).parameters
-    kw = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "name" and k in params}
-    if "seed" in params:
-        kw["seed"] = seed
-    if dp_size > 1 and "num_shards" in params:
-        kw.update(shard_rank=dp_rank, num_shards=dp_size, shuffle_seed=cfg.seed * 1000 + 29)
-    return kw
 
 
 def model_fingerprint(cfg: TrainConfig) -> Dict[str, object]:
@@ -94,7 +82,7 @@ class RLTrainer:
         from nemo_fp8rl.models import build_actor, init_distributed
         from nemo_fp8rl.models.hf import load_hf_policy, resolve_model_config
         from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
-        from nemo_fp8rl.tasks import get_task, task_class
+        from nemo_fp8rl.tasks import get_task, task_class, task_kwargs
 
         cfg.model = resolve_model_config(cfg.model)  # model.hf_path: shape from config.json
         self.cfg = validate(cfg)

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
-from nemo_fp8rl.config.schema import AlgorithmConfig, Fp8Config, TrainConfig, validate
+from nemo_fp8rl.config.schema import AlgorithmConfig, Fp8Config, TrainConfig
+from nemo_fp8rl.validation import validate
 from nemo_fp8rl.launcher import LaunchError
 from nemo_fp8rl.launcher.memory import (
     PlanOptions,

@@ -131,7 +131,7 @@ def test_resolved_training_config_is_what_the_trainer_loads(tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from nemo_fp8rl.config.schema import validate
+    from nemo_fp8rl.validation import validate
     from nemo_fp8rl.launcher import write_stage
     from nemo_fp8rl.train import CONF_DIR, register_schema
 

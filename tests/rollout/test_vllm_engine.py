@@ -317,7 +317,8 @@ def test_sync_buckets_hold_one_bucket_at_a_time():
 def test_missing_vllm_names_the_key_and_the_install(monkeypatch):
     import sys
 
-    from nemo_fp8rl.config.schema import TrainConfig, validate
+    from nemo_fp8rl.config.schema import TrainConfig
+    from nemo_fp8rl.validation import validate
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like to import
     assert not vllm_available()
@@ -350,7 +351,8 @@ def test_schemes_vllm_cannot_compute_are_refused_anywhere():
 
 def test_config_validation_accepts_fp8_rollout_with_vllm_on_a_host_without_gpu(monkeypatch):
     """Validation runs on the SLURM submit host (no GPU): it refuses only what vLLM cannot run anywhere."""
-    from nemo_fp8rl.config.schema import ConfigError, TrainConfig, validate
+    from nemo_fp8rl.config.schema import ConfigError, TrainConfig
+    from nemo_fp8rl.validation import validate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = TrainConfig()

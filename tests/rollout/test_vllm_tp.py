@@ -42,7 +42,8 @@ def test_share_layout_follows_vllms_consecutive_groups():
 
 
 def test_config_validation_of_the_rollout_tp_size():
-    from nemo_fp8rl.config.schema import ConfigError, TrainConfig, validate
+    from nemo_fp8rl.config.schema import ConfigError, TrainConfig
+    from nemo_fp8rl.validation import validate
 
     cfg = TrainConfig()
     cfg.rollout.engine, cfg.rollout.tensor_parallel_size = "vllm", 2

@@ -161,7 +161,7 @@ def test_data_parallel_shards_are_disjoint_per_epoch_and_resume(tmp_path):
 def test_trainer_gives_dataset_tasks_a_shard_per_data_parallel_rank(tmp_path):
     from nemo_fp8rl.config.schema import TrainConfig
     from nemo_fp8rl.tasks import task_class
-    from nemo_fp8rl.trainer.rl_trainer import task_kwargs
+    from nemo_fp8rl.tasks import task_kwargs
 
     cfg = TrainConfig(seed=2)
     cfg.task.name, cfg.task.path = "math_jsonl", write(tmp_path, GOOD)

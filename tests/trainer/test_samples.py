@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from nemo_fp8rl.config.schema import ConfigError, TrainConfig, validate
+from nemo_fp8rl.config.schema import ConfigError, TrainConfig
+from nemo_fp8rl.validation import validate
 from nemo_fp8rl.report import make_report, pick_sample_steps
 from nemo_fp8rl.trainer.logger import MetricsLogger
 
