@@ -1,7 +1,7 @@
 """Forward+backward time of the emulated FP8 linear vs torch.nn.Linear vs torchao's emulated Float8Linear.
 
 All arms run in one process, interleaved, on the same inputs; the table prints medians and the
-overhead ratio of each emulation over the high-precision linear. Goal (issue 2): our overhead ratio
+overhead ratio of each emulation over the high-precision linear. Target: our overhead ratio
 no worse than torchao's emulation for the recipes both implement (tensorwise, rowwise).
 
     python benchmarks/bench_fp8_linear.py [--repeats 20] [--shapes 1024x512x512,4096x1024x1024]

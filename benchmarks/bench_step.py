@@ -5,9 +5,9 @@ Three trainers with the same configuration and seed run in one process, their st
 (``calibration=off``), the calibrated arm (``calibration=paper``, interval 20) and the measure-only arm
 (``calibration=measure``: the same shadow forwards, bounds kept nominal). The table prints the mean of
 each ``timing/*`` phase per arm and the overheads ``mean step(arm) / mean step(fixed) - 1`` (goal: < 3%
-at interval 20; DESIGN.md section 4). The calibrated arm trains differently (other bounds, other
-responses), so its ratio also carries trajectory differences; the measure-only arm follows the fixed
-arm's trajectory exactly, so its ratio is the cost of calibration alone.
+at interval 20; docs/design.md, Calibrated Clipping). The calibrated arm trains differently (other
+bounds, other responses), so its ratio also carries trajectory differences; the measure-only arm
+follows the fixed arm's trajectory exactly, so its ratio is the cost of calibration alone.
 
     python benchmarks/bench_step.py [--steps 60] [--interval 20] [--recipe tensorwise]
 """

@@ -9,7 +9,7 @@ differing only in precision and clipping:
   (``calib/alpha_fp8_nominal`` vs ``calib/alpha_bf16`` on the same tokens);
 * ``fp8_calibrated``: the same + Calibrated Clipping (``calibration=paper``).
 
-The configuration makes the mechanism visible at tiny scale (NOTES-prototype): old log-probs come
+The configuration makes the mechanism visible at tiny scale (docs/fp8-noise.md): old log-probs come
 from the FP8 rollout engine (``algorithm.old_logprobs=rollout``), so the importance ratio carries the
 rollout-vs-trainer FP8 mismatch, which is what pushes negative-advantage tokens below 1 - eps_low.
 All arms start from the same cached supervised warm-up. Then ``nemo-fp8rl-report`` writes

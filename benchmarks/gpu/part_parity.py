@@ -56,7 +56,7 @@ def _quantizers_equal(rec, x, w, dy, device) -> dict:
         t = tensors[role]
         fmt = rec.format_for(role)
         scale = None
-        if rec.scaling == "delayed":  # a scale from an older amax half of today's: the top values saturate
+        if rec.scaling == "delayed":  # scale of an older amax, half the current one: top values saturate
             scale = compute_scale(t.float().abs().amax() * 0.5, fmt)
         kw = dict(dim=dim, pow2_scales=rec.pow2_scales, eps=rec.amax_epsilon, block=rec.mx_block)
         qd, sd = quantize(t.to(device), fmt, rec.granularity_for(role), scale=None if scale is None else scale.to(device), **kw)

@@ -1,8 +1,8 @@
 """Part (f), cost of Calibrated Clipping's BF16 shadow forwards at Qwen3-8B layer shapes.
 
 A calibration step (every ``calibration.interval`` = 20 steps) runs two extra BF16 forwards of the same
-weights with FP8 off (DESIGN.md section 4: one at the old-logprob pass, one before the minibatch's
-update). Per decoder layer (the four projections of ``common.SHAPES_8B``) and per recipe:
+weights with FP8 off (docs/design.md, Calibrated Clipping: one at the old-logprob pass, one before the
+minibatch's update). Per decoder layer (the four projections of ``common.SHAPES_8B``) and per recipe:
 
     t_shadow = BF16 forward (no grad);   t_step = FP8 forward (no grad, old logprobs)
                                                   + FP8 forward + backward (the update)

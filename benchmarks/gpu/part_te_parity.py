@@ -32,7 +32,7 @@ def run(ctx) -> dict:
     torch.manual_seed(0)
     x = torch.randn(1024, 4096, device=dev) * 2
     x[5, 17] = 600.0
-    # delayed scaling: a scale from an older, smaller amax (half of today's), so the top values saturate
+    # delayed scaling: a scale from an older, smaller amax (half the current one), so the top values saturate
     delayed_scale = compute_scale(x.abs().amax() * 0.5, E4M3).reshape(1).to(torch.float32)
     res = {}
     if dry:

@@ -4,7 +4,7 @@
 
 Per run: final reward and accuracy (mean of the last ``--last`` steps), final entropy (same window),
 entropy surge ratio (max over the run of ``stability/entropy_ratio``; the study's runs were made with
-the running-median monitor, before the lagged baseline of DESIGN.md section 7),
+the running-median monitor, before the lagged baseline of docs/design.md, "One training step"),
 entropy max / start (max entropy over the run / mean entropy of its first 5 steps: a surge that lasts
 became its own running median, this ratio still shows it), final rollout-trainer mismatch (mean
 ``mismatch/logp_abs_diff_mean`` over the last steps),

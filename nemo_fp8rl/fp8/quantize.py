@@ -4,7 +4,7 @@ A tensor x is quantized group by group: every group g (the whole tensor, a row, 
 block, a 1x32 MX block) gets a scale s_g chosen so its largest magnitude lands at the top of the FP8
 range, ``q = sat_fp8(x * s_g)``, and is read back as ``x_hat = float32(q) * fp32(1 / s_g)``.
 
-Scale rule (DESIGN.md section 5, Transformer Engine's ``compute_scale_from_amax``):
+Scale rule (docs/design.md, FP8; Transformer Engine's ``compute_scale_from_amax``):
 
     s = fp32(M * 2^-margin / max(amax, eps))      M = 448 (E4M3) / 57344 (E5M2)
     amax in {0, inf, NaN}  ->  s = 1;   s = inf (amax tiny)  ->  s = fp32 max

@@ -14,7 +14,7 @@ multiply by ``M / amax``:
   current per-tensor scaling: an inference engine has no amax history).
 * ``off``: high precision.
 
-Rollout and trainer log-probs therefore disagree even at identical weights (DESIGN.md section 5).
+Rollout and trainer log-probs therefore disagree even at identical weights (docs/design.md, FP8).
 
 Real FP8 GEMMs: ``weight_fp8`` / ``activation_fp8`` return the same values as FP8 data plus
 scale-inverses (:class:`~nemo_fp8rl.fp8.backends.QuantizedOperand`, ``dequantize()`` equals

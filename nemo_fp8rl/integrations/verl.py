@@ -19,9 +19,9 @@ actor's ``loss_agg_mode`` and ``global_batch_info``, so every aggregation mode a
 ``clip_ratio_c``, ``loss_agg_mode``. Nominal bounds are (1 - clip_ratio_low, 1 + clip_ratio_high).
 
 The controller of a worker process is the one given to :func:`set_calibration`; if none was given, the
-first loss call builds one with the defaults of DESIGN.md section 4 and the actor's clip ratios (bounds
-nominal until it is updated, so the loss then equals ``vanilla``); ``set_calibration(None)`` turns
-calibration off. The controller moves only when it is fed shadow ratios: :class:`ShadowRatioHook` does that
+first loss call builds one with the defaults of docs/design.md (Calibrated Clipping) and the actor's
+clip ratios (bounds nominal until it is updated, so the loss then equals ``vanilla``);
+``set_calibration(None)`` turns calibration off. The controller moves only when it is fed shadow ratios: :class:`ShadowRatioHook` does that
 at calibration steps, from a forward with FP8 off on the same weights (see docs/integrations.md for where
 it goes in verl's Megatron actor).
 

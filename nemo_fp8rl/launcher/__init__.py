@@ -1,6 +1,6 @@
 """SLURM and local launchers: a launcher YAML tree -> resolved training config -> sbatch script -> job.
 
-NeMo Framework Launcher conventions (DESIGN.md section 9): ``launchers/conf/config.yaml`` picks the
+NeMo Framework Launcher conventions (docs/launching.md): ``launchers/conf/config.yaml`` picks the
 stages, the cluster type, a container and its mounts, exported variables and the results root;
 ``launchers/conf/cluster/slurm.yaml`` holds the cluster settings; each stage config
 ``launchers/conf/rl/<model>_<algo>_<fp8>.yaml`` has a ``run:`` block and the training overrides.
