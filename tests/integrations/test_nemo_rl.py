@@ -9,8 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_fp8rl.algorithms import CalibratedClipping, calibrate_bounds
-from nemo_fp8rl.integrations.nemo_rl import NEMO_RL_COMMIT, ClippedPGLossFn, LossInputType, LossType
+from nemo_fp8rl.algorithms import CalibratedClipping, calibrate_bounds, rollout_correction
+from nemo_fp8rl.integrations import nemo_rl
+from nemo_fp8rl.integrations.nemo_rl import (
+    NEMO_RL_COMMIT,
+    ClippedPGLossFn,
+    LossInputType,
+    LossType,
+    clipped_pg_loss,
+)
 
 FIXTURE = json.loads(Path(__file__).with_name("nemo_rl_golden.json").read_text())
 F64 = torch.float64
@@ -273,3 +280,71 @@ def test_imports_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURE["cases"]))
+def test_loss_function_never_syncs_to_the_host(name, monkeypatch):
+    """clipped_pg_loss returns detached 0-dim metric tensors; .item()/float()/bool() on a tensor would raise."""
+    loss_fn = ClippedPGLossFn(FIXTURE["cases"][name]["config"])
+    data, lp = _inputs()
+    seqs, toks = _globals()
+    lower, upper = loss_fn.bounds
+
+    def sync(*_args, **_kwargs):
+        raise AssertionError("host sync inside the loss")
+
+    for attr in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, attr, sync)
+    loss, metrics = clipped_pg_loss(loss_fn.config, lp, data, seqs, toks, lower=lower, upper=upper)
+    monkeypatch.undo()
+    assert loss.requires_grad and loss.dim() == 0
+    assert set(metrics) == set(_run(loss_fn, data, lp)[1])
+    for k, (t, red) in metrics.items():
+        assert t.dim() == 0 and not t.requires_grad, k
+        assert red == ("min" if k.endswith("_min") else "max" if k.endswith("_max") else "sum"), k
+
+
+def test_nemo_rl_attributes_read_the_parsed_config():
+    loss_fn = ClippedPGLossFn({"ratio_clip_max": 0.28, "use_kl_in_reward": True, "token_level_loss": False})
+    assert (loss_fn.ratio_clip_min, loss_fn.ratio_clip_max, loss_fn.ratio_clip_c) == (0.2, 0.28, None)
+    assert loss_fn.reference_policy_kl_penalty == 0.0 and loss_fn.loss_type == LossType.SEQUENCE_LEVEL
+    with pytest.raises(AttributeError):
+        loss_fn.ratio_clip_max = 0.3  # validated once at construction: build a new loss instead
+
+
+@pytest.mark.parametrize(
+    ("ttype", "kw", "rc_kw"),
+    [
+        (None, {}, {"mode": "is"}),
+        ("tis", {"truncated_importance_sampling_ratio": 1.2}, {"mode": "tis", "cap": 1.2}),
+        (
+            "icepop",
+            {"truncated_importance_sampling_ratio": 1.3, "truncated_importance_sampling_ratio_min": 0.8},
+            {"mode": "icepop", "lo": 0.8, "hi": 1.3},
+        ),
+    ],
+)
+def test_importance_weights_are_rollout_correction_where_nemo_rl_agrees(ttype, kw, rc_kw):
+    """With finite log-ratios inside +-20, NeMo RL's token weights equal algorithms.rollout_correction's
+    bit for bit; the plug-in keeps its own because NeMo RL differs outside (module docstring)."""
+    cfg = ClippedPGLossFn(
+        {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": ttype, **kw}
+    ).config
+    data, _ = _inputs(requires_grad=False)
+    prev, gen = data["prev_logprobs"][:, 1:], data["generation_logprobs"][:, 1:]
+    tm, sm = data["token_mask"][:, 1:], data["sample_mask"]
+    valid = (tm * sm[:, None]) != 0
+
+    def ours(prev, gen):
+        return nemo_rl._importance_weights(cfg, prev, gen, valid, tm, sm, None, None)[0]
+
+    want, _ = rollout_correction(prev, gen, valid, **rc_kw)
+    assert torch.equal(torch.where(valid, ours(prev, gen), 0.0), want)
+    # outside: the rollout engine gave the token probability 0 (NeMo RL: weight 0; rollout_correction
+    # clamps the log-ratio to 20), and the trainer finds it e^-25 times less likely (no clamp in NeMo RL)
+    gen2, prev2 = gen.clone(), prev.clone()
+    gen2[0, 2], prev2[0, 3] = float("-inf"), gen[0, 3] - 25.0
+    w = ours(prev2, gen2)
+    assert w[0, 2] == 0.0
+    if ttype != "icepop":
+        assert w[0, 3] == pytest.approx(torch.exp(torch.tensor(-25.0, dtype=F64)).item(), rel=1e-9)
