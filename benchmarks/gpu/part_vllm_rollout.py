@@ -26,11 +26,11 @@ from vllm_common import _VLLM_CHILD_ENV, _close_llm, _qwen3_8b_config, _quant_me
 def run(ctx, layers: int = 4, repeats: int = 2) -> None:
     """Generation throughput of vLLM, BF16 vs FP8, same shapes, dummy weights, arms in one process."""
     res, save, dry, deadline = ctx.res, ctx.save, ctx.dry, ctx.deadline
-    from nemo_fp8rl.rollout import vllm_engine
+    from nemo_fp8rl.rollout import vllm_engine, vllm_patches
 
     # the vllm engine's FP8 kernel settings (DeepGEMM without UE8M0 scales, no FlashInfer block GEMM), so
     # the arms time the kernels `rollout.engine=vllm` runs
-    fp8_env = getattr(vllm_engine, "_VLLM_FP8_ENV", {})
+    fp8_env = getattr(vllm_patches, "VLLM_FP8_ENV", {})
     for k, v in {**_VLLM_CHILD_ENV, **fp8_env}.items():
         os.environ.setdefault(k, v)
     import vllm
@@ -60,7 +60,7 @@ def run(ctx, layers: int = 4, repeats: int = 2) -> None:
     w8a8 = "fp8_per_tensor" if "fp8_per_tensor" in QUANTIZATION_METHODS else "fp8"
     block_cfg = getattr(vllm_engine, "BLOCK_FP8_QUANTIZATION_CONFIG",
                         {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
-    kernel_report = getattr(vllm_engine, "_fp8_linear_report", None)
+    kernel_report = getattr(vllm_patches, "fp8_linear_report", None)
     arms = [("bf16" if not dry else "float32", {}, None, None),
             ("fp8_w8a8", {"quantization": w8a8}, None, "vllm_w8a8"),
             ("fp8_block", {}, dict(block_cfg), "vllm_block")]

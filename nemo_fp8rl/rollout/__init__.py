@@ -2,17 +2,26 @@
 
 ``get_rollout_engine("torch", model_cfg, fp8_scheme="vllm_w8a8", eos_id=..., pad_id=...)`` builds the
 in-process engine; ``engine.update_weights(actor.export_weights())`` syncs weights;
-``engine.generate(prompts, SamplingParams(...), generator)`` returns a :class:`RolloutBatch`.
+``engine.generate(prompts, SamplingParams(...), generator)`` returns a :class:`RolloutBatch`;
+``engine.sleep()`` / ``engine.wake_up()`` / ``engine.close()`` manage its memory (:class:`RolloutEngine`).
+
+The names are loaded lazily (PEP 562): config validation imports
+:mod:`nemo_fp8rl.rollout.vllm_support`, which must not pull torch in through this package.
 """
 
-from nemo_fp8rl.rollout.base import (
-    RolloutBatch,
-    RolloutEngine,
-    SamplingParams,
-    get_rollout_engine,
-    register_rollout_engine,
-    rollout_engine_names,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RolloutBatch": "base",
+    "RolloutEngine": "base",
+    "SamplingParams": "base",
+    "get_rollout_engine": "base",
+    "register_rollout_engine": "base",
+    "rollout_engine_names": "base",
+}
 
 __all__ = [
     "RolloutBatch",
@@ -22,3 +31,13 @@ __all__ = [
     "register_rollout_engine",
     "rollout_engine_names",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"nemo_fp8rl.rollout.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'nemo_fp8rl.rollout' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

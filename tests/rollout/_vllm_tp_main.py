@@ -101,13 +101,13 @@ def main(out_prefix: str) -> None:
         b = rec["tp2"][k]
         rec[f"torch_logp_{k}"] = ref.logprobs(b.tokens, temperature=temperature) * b.mask
 
-    import nemo_fp8rl.rollout.vllm_engine as ve
+    import nemo_fp8rl.rollout.vllm_spmd as spmd
 
     rec["differing_settings_error"] = error_of(lambda: get_rollout_engine(
         "vllm", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD, tensor_parallel_size=2, max_num_seqs=64 + rank))
     dist.barrier()
     if rank == 0:
-        ve.BUILD_RENDEZVOUS_S = 3.0
+        spmd.BUILD_RENDEZVOUS_S = 3.0
         rec["missing_rank_error"] = error_of(lambda: get_rollout_engine(
             "vllm", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD, tensor_parallel_size=2))
     dist.barrier()

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from nemo_fp8rl.config.model import ModelConfig
-from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
+from nemo_fp8rl.rollout import RolloutEngine, SamplingParams, get_rollout_engine
 from nemo_fp8rl.rollout.model import ModelShape
-from nemo_fp8rl.rollout.vllm_engine import check_vllm_supported, iter_weight_buckets, vllm_available
+from nemo_fp8rl.rollout.vllm_support import check_vllm_supported, vllm_available
+from nemo_fp8rl.rollout.vllm_sync import iter_weight_buckets
 
 from .conftest import random_hf_weights
 
@@ -63,8 +64,12 @@ def engines(weights):
     t = get_rollout_engine("torch", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD)
     yield v, t
     v.close()  # frees vLLM before the next module's engine
+    v.close()  # idempotent
+    assert v.sleep() is False and v.wake_up() is False
     with pytest.raises(RuntimeError, match="closed"):
         v.generate(RAGGED, SamplingParams(max_new_tokens=2), torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="closed"):
+        v.update_weights(weights["a"])
 
 
 _TORCH_STATE_KEPT: dict[str, bool] = {}
@@ -276,8 +281,13 @@ def test_a_sync_that_fails_midway_stops_generation_until_a_complete_sync(engines
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_sleep_and_wake_up_are_no_ops_on_cpu(engines):
     v, _ = engines
+    assert isinstance(v, RolloutEngine)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_on_eos=False)
+    want = v.generate(RAGGED, params, torch.Generator().manual_seed(0))
     assert not v.sleep_enabled and v.sleep() is False and v.wake_up() is False
-    v.generate(RAGGED, SamplingParams(max_new_tokens=2), torch.Generator().manual_seed(0)).validate()
+    got = v.generate(RAGGED, params, torch.Generator().manual_seed(0))
+    got.validate()
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.rollout_logp, want.rollout_logp)
 
 
 def test_sync_buckets_hold_one_bucket_at_a_time():
@@ -378,13 +388,13 @@ def test_config_validation_accepts_fp8_rollout_with_vllm_on_a_host_without_gpu(m
 
 
 def test_block_fp8_needs_fused_parts_in_whole_blocks():
-    from nemo_fp8rl.rollout.vllm_engine import _check_block_shape
+    from nemo_fp8rl.rollout.vllm_support import check_block_shape
 
-    _check_block_shape(ModelShape.from_config(ModelConfig(vocab_size=64, num_layers=1, hidden_size=256,
-                                                          num_attention_heads=2, num_query_groups=1,
-                                                          ffn_hidden_size=512)))
+    check_block_shape(ModelShape.from_config(ModelConfig(vocab_size=64, num_layers=1, hidden_size=256,
+                                                         num_attention_heads=2, num_query_groups=1,
+                                                         ffn_hidden_size=512)))
     with pytest.raises(ValueError, match=r"multiple of 128 rows.*k_proj/v_proj.*rollout.engine=torch"):
-        _check_block_shape(ModelShape.from_config(CFG))  # 2 KV groups x 32 = 64 rows
+        check_block_shape(ModelShape.from_config(CFG))  # 2 KV groups x 32 = 64 rows
 
 
 def _cli():

@@ -18,7 +18,7 @@ import torch
 
 from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.rollout import SamplingParams
-from nemo_fp8rl.rollout.vllm_engine import vllm_available
+from nemo_fp8rl.rollout.vllm_support import vllm_available
 
 from .conftest import random_hf_weights
 

@@ -59,7 +59,8 @@ def weights():
 
 @pytest.fixture(scope="module", params=["vllm_block", "vllm_w8a8"])
 def engine(request):
-    from nemo_fp8rl.rollout.vllm_engine import VllmEngine, vllm_available
+    from nemo_fp8rl.rollout.vllm_engine import VllmEngine
+    from nemo_fp8rl.rollout.vllm_support import vllm_available
 
     if not vllm_available():
         pytest.skip("vLLM is not installed (pip install vllm)")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8rl.rollout.vllm_engine import vllm_available
+from nemo_fp8rl.rollout.vllm_support import vllm_available
 
 from ._cli import TINY, metrics
 
