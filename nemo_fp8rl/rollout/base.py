@@ -35,6 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from nemo_fp8rl.registry import Registry
+
 __all__ = [
     "RolloutBatch",
     "RolloutEngine",
@@ -188,6 +190,22 @@ class RolloutEngine(Protocol):
     - ``generate(prompts, params, generator)``: sample one response per prompt (prompt = list of token
       ids, lengths may differ) and return a :class:`RolloutBatch`. Same weights, prompts, params and
       generator state -> same result.
+
+    Colocation with training (the engine and the trainer share an accelerator), one step::
+
+        update_weights -> generate -> sleep -> (trainer: logprobs, updates) -> [wake_up] -> update_weights ...
+
+    - ``sleep()``: free or offload the engine's accelerator memory (weights, KV cache) so training can use
+      it. Idempotent (a second call does nothing). An engine may discard its weights (vLLM sleep level 2):
+      after a sleep, a weight sync must come before the next ``generate``. Returns True when memory was
+      freed, False when there was nothing to do (already asleep, no accelerator memory, closed).
+    - ``wake_up()``: restore what ``sleep`` freed, before the next ``generate`` / ``update_weights``
+      (``update_weights`` on a sleeping engine wakes it too). Idempotent; True when it woke.
+      With the weights kept across the sleep, ``generate`` after ``sleep(); wake_up()`` returns what it
+      would have returned without.
+    - ``close()``: release everything the engine holds (weights, caches, worker processes, temporary
+      files). Idempotent, and safe on an engine whose build failed midway; afterwards ``generate`` and
+      ``update_weights`` raise ``RuntimeError``, ``sleep`` / ``wake_up`` return False.
     """
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> Any: ...
@@ -196,11 +214,18 @@ class RolloutEngine(Protocol):
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> RolloutBatch: ...
 
+    def sleep(self) -> bool: ...
 
-_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+    def wake_up(self) -> bool: ...
 
+    def close(self) -> None: ...
+
+
+_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine", "rollout.engine")
+"""Rollout-engine factories by name (``rollout.engine``)."""
 
 _OPTIONS: dict[str, tuple[str, ...]] = {}
+"""Per engine name, the ``rollout.*`` keys its factory takes (:func:`register_rollout_engine`)."""
 
 
 def check_generate_inputs(
@@ -239,9 +264,7 @@ def register_rollout_engine(
     """
 
     def deco(factory: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
-        if name in _ENGINES:
-            raise ValueError(f"rollout engine {name!r} is already registered ({_ENGINES[name]!r})")
-        _ENGINES[name] = factory
+        _ENGINES.register(name, factory)
         _OPTIONS[name] = tuple(options)
         return factory
 
@@ -257,7 +280,7 @@ def _load_builtin_engines() -> None:
 def rollout_engine_names() -> list[str]:
     """Names accepted by :func:`get_rollout_engine`."""
     _load_builtin_engines()
-    return sorted(_ENGINES)
+    return _ENGINES.names()
 
 
 def get_rollout_engine(
@@ -287,10 +310,7 @@ def get_rollout_engine(
         **kw: engine-specific options (torch engine: ``device``, ``dtype``; vllm: ``dtype``, ``max_num_seqs``).
     """
     _load_builtin_engines()
-    if name not in _ENGINES:
-        raise ValueError(
-            f"unknown rollout engine {name!r} (config key rollout.engine); registered engines: {sorted(_ENGINES)}"
-        )
+    factory = _ENGINES.get(name)  # an unknown name raises, listing the registered engines
     if options is not None:
         kw = {**{k: getattr(options, k) for k in _OPTIONS[name]}, **kw}
-    return _ENGINES[name](model_cfg, fp8_scheme=fp8_scheme, train_recipe=train_recipe, eos_id=eos_id, pad_id=pad_id, **kw)
+    return factory(model_cfg, fp8_scheme=fp8_scheme, train_recipe=train_recipe, eos_id=eos_id, pad_id=pad_id, **kw)

@@ -12,6 +12,11 @@ How a step goes (the way vLLM serves a batch, without its paging and continuous 
    prompt's first token). Rows that sample EOS leave the batch (their cache rows are dropped).
 3. The result is a :class:`~nemo_fp8rl.rollout.base.RolloutBatch` in the trainer's layout.
 
+Memory: the KV cache lives for one ``generate`` call, so between rollouts the engine holds only its
+weights (the quantized copy of the actor's). :meth:`~TorchRolloutEngine.sleep` and
+:meth:`~TorchRolloutEngine.wake_up` therefore have nothing to free or restore (the weights stay, so the
+next ``generate`` needs no sync); :meth:`~TorchRolloutEngine.close` drops the weights.
+
 Cost: prefill O(B P^2) attention + O(B P) linears; each decode step O(B S) attention + O(B) linears,
 instead of O(B S^2) + O(B S) without a cache (S = current length). :meth:`forward` is the no-cache path
 (used by tests to check the cache path).
@@ -109,6 +114,7 @@ class TorchRolloutEngine:
         self.weights: RolloutWeights | None = None
         self.weights_version = 0
         """Number of weight syncs received so far."""
+        self._closed = False
 
     # ---------------------------------------------------------------- weights
     def update_weights(self, weights: WeightsArg) -> dict[str, dict[str, float]]:
@@ -121,6 +127,7 @@ class TorchRolloutEngine:
         Returns the per-linear record of this sync (``amax``, relative quantization error ``rel_err``,
         and the ``scale`` when the scheme reports it), also kept as :attr:`last_sync`.
         """
+        self._check_open()
         self.weights = build_weights(self.shape, weights, self.scheme, self.device, self.dtype, gemm=self.fp8_gemm)
         self.weights_version += 1
         if self.weights_version == 1:
@@ -146,10 +153,30 @@ class TorchRolloutEngine:
     def vocab_rows(self) -> int:
         return int(self._w().embed.shape[0])
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the rollout engine was closed")
+
     def _w(self) -> RolloutWeights:
+        self._check_open()
         if self.weights is None:
             raise RuntimeError("the rollout engine has no weights yet: call update_weights(actor.export_weights()) first")
         return self.weights
+
+    # ---------------------------------------------------------------- colocation
+    def sleep(self) -> bool:
+        """No-op (returns False): between rollouts the engine holds only its weights, which the next
+        ``generate`` needs; the KV cache is freed at the end of every ``generate``."""
+        return False
+
+    def wake_up(self) -> bool:
+        """No-op (returns False): :meth:`sleep` freed nothing."""
+        return False
+
+    def close(self) -> None:
+        """Drop the weights; afterwards ``generate`` and ``update_weights`` raise. Idempotent."""
+        self.weights = None
+        self._closed = True
 
     # ---------------------------------------------------------------- reference path
     @torch.no_grad()
