@@ -59,6 +59,68 @@ class ModelConfig:
     hf_path: Optional[str] = None
     """Hugging Face checkpoint directory to load the shape and weights from."""
 
+    # ------------------------------------------------------------------ derived shape (not config keys)
+    # The one place the defaults of the optional shape fields are resolved; megatron's TransformerConfig
+    # does the same (kv_channels = h / n_q, num_query_groups = n_q when unset). An unset value is None
+    # (or 0, read the same way).
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head dimension d = ``kv_channels``, else ``hidden_size // num_attention_heads``.
+
+        Floor division: whether h divides evenly is a check (model.kv_channels must then be set), not
+        part of the derivation."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads n_kv = ``num_query_groups``, else ``num_attention_heads`` (multi-head attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the query projection n_q d (not always h: Qwen3-32B has 64 x 128 = 8192 > h = 5120);
+        also the input width of the output projection."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key projection (= the value projection) n_kv d."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on q, k and v: ``add_qkv_bias`` (Qwen2), or ``add_bias_linear`` (a bias on every linear)."""
+        return self.add_qkv_bias or self.add_bias_linear
+
+    @property
+    def gated_mlp(self) -> bool:
+        """SwiGLU: the first MLP linear computes gate and up, [2f, h] (GeLU: [f, h])."""
+        return self.activation == "swiglu"
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """The LM head is the input embedding (``untie_embeddings_and_output_weights`` false)."""
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab(self, tp: int) -> int:
+        """Rows of the embedding and the LM head at tensor-parallel size ``tp`` (Megatron's padding)::
+
+            Vp = ceil(V / m) m,    m = max(1, make_vocab_size_divisible_by) x tp
+
+        so every TP rank holds Vp / tp whole rows. Raises ValueError when ``vocab_size`` is unset."""
+        if self.vocab_size is None:
+            raise ValueError("model.vocab_size is not set (it is taken from the task's tokenizer); set "
+                             "model.vocab_size to pad the vocabulary")
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: smallest multiple of ``max(1, divisible_by) * tp`` that is >= ``vocab_size``
+    (:meth:`ModelConfig.padded_vocab` for a config)."""
+    multiple = max(1, divisible_by) * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
 
 @dataclass
 class ParallelConfig:
@@ -76,4 +138,4 @@ class ParallelConfig:
     """Sequences per microbatch in the train step (and per logprob forward chunk)."""
 
 
-__all__ = ["ModelConfig", "ParallelConfig"]
+__all__ = ["ModelConfig", "ParallelConfig", "padded_vocab_size"]

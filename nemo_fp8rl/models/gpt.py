@@ -29,7 +29,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
+# padded_vocab_size is Megatron's vocabulary padding, derived once with ModelConfig (ModelConfig.padded_vocab);
+# it is exported here too because models/__init__.py and models/actor.py import it from this module.
+from nemo_fp8rl.config.model import ModelConfig, ParallelConfig, padded_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +89,6 @@ def resolve_model_fp8_backend(fp8_backend: Optional[str], use_te: Optional[bool]
     return resolve_fp8_backend(fp8_backend, device, te_available=te_ok)
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's padding: smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size``."""
-    multiple = max(1, divisible_by) * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
 def validate_model_config(cfg: ModelConfig) -> None:
     """Reject shapes megatron would fail on later, naming the key to change."""
     if cfg.vocab_size is None or cfg.vocab_size < 1:
@@ -109,10 +105,10 @@ def validate_model_config(cfg: ModelConfig) -> None:
             f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_attention_heads="
             f"{cfg.num_attention_heads}; set model.kv_channels (head dim) explicitly"
         )
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = cfg.head_dim
     if head_dim % 2 != 0:
         raise ValueError(f"head dim {head_dim} must be even for RoPE; change model.kv_channels")
-    groups = cfg.num_query_groups or cfg.num_attention_heads
+    groups = cfg.num_kv_heads
     if cfg.num_attention_heads % groups != 0:
         raise ValueError(
             f"model.num_attention_heads={cfg.num_attention_heads} is not a multiple of "
@@ -232,7 +228,7 @@ def build_gpt_model(
     spec = te_layer_spec(model_cfg.qk_layernorm) if use_te else local_fp8_layer_spec(model_cfg.qk_layernorm)
 
     tp = parallel_cfg.tensor_model_parallel_size
-    vocab = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp)
+    vocab = model_cfg.padded_vocab(tp)
     pg = ProcessGroupCollection.use_mpu_process_groups()
     # We initialise tied embeddings identically on the first and last stage ourselves (load_weights)
     # and all-reduce their gradients in the actor; without an embedding group megatron skips its own
@@ -247,7 +243,7 @@ def build_gpt_model(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
-        share_embeddings_and_output_weights=not model_cfg.untie_embeddings_and_output_weights,
+        share_embeddings_and_output_weights=model_cfg.tied_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=model_cfg.rotary_base,

@@ -45,10 +45,7 @@ from nemo_fp8rl.config.model import ModelConfig
 
 def _dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
     """(np, ng, hn, h): query heads, KV groups, head dim, hidden size."""
-    np_ = cfg.num_attention_heads
-    ng = cfg.num_query_groups or np_
-    hn = cfg.kv_channels or cfg.hidden_size // np_
-    return np_, ng, hn, cfg.hidden_size
+    return cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
 
 
 def hf_layer_names(cfg: ModelConfig, i: int) -> list[str]:
@@ -59,14 +56,14 @@ def hf_layer_names(cfg: ModelConfig, i: int) -> list[str]:
         names += [p + "input_layernorm.bias", p + "post_attention_layernorm.bias"]
     for proj in ("q", "k", "v"):
         names.append(p + f"self_attn.{proj}_proj.weight")
-        if cfg.add_qkv_bias or cfg.add_bias_linear:
+        if cfg.qkv_bias:
             names.append(p + f"self_attn.{proj}_proj.bias")
     names.append(p + "self_attn.o_proj.weight")
     if cfg.qk_layernorm:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         if cfg.normalization == "LayerNorm":
             names += [p + "self_attn.q_norm.bias", p + "self_attn.k_norm.bias"]
-    mlp = ("gate", "up", "down") if cfg.activation == "swiglu" else ("up", "down")
+    mlp = ("gate", "up", "down") if cfg.gated_mlp else ("up", "down")
     for proj in mlp:
         names.append(p + f"mlp.{proj}_proj.weight")
     if cfg.add_bias_linear:
@@ -91,14 +88,14 @@ def hf_names(cfg: ModelConfig, layers: Optional[Iterable[int]] = None, *, embed:
 
 def hf_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     """Shape of an HF tensor of this architecture."""
-    np_, ng, hn, h = _dims(cfg)
+    hn, h, q, kv = cfg.head_dim, cfg.hidden_size, cfg.q_width, cfg.kv_width
     f, v = cfg.ffn_hidden_size, cfg.vocab_size
     leaf = name.split(".")[-2] + "." + name.split(".")[-1]
     table = {
         "embed_tokens.weight": (v, h), "lm_head.weight": (v, h),
-        "q_proj.weight": (np_ * hn, h), "k_proj.weight": (ng * hn, h), "v_proj.weight": (ng * hn, h),
-        "q_proj.bias": (np_ * hn,), "k_proj.bias": (ng * hn,), "v_proj.bias": (ng * hn,),
-        "o_proj.weight": (h, np_ * hn), "o_proj.bias": (h,),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+        "o_proj.weight": (h, q), "o_proj.bias": (h,),
         "q_norm.weight": (hn,), "k_norm.weight": (hn,), "q_norm.bias": (hn,), "k_norm.bias": (hn,),
         "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
         "gate_proj.bias": (f,), "up_proj.bias": (f,), "down_proj.bias": (h,),
@@ -115,7 +112,7 @@ def count_parameters(cfg: ModelConfig) -> int:
     a tied head counted once): sum of ``prod(hf_shape(name))`` over :func:`hf_names`."""
     total = 0
     for n in hf_names(cfg):
-        if n == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights:
+        if n == "lm_head.weight" and cfg.tied_embeddings:
             continue
         total += math.prod(hf_shape(cfg, n))
     return total
@@ -146,7 +143,7 @@ def init_hf_state_dict(
     for name in names:
         shape = hf_shape(cfg, name)
         src = name
-        if name == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights:
+        if name == "lm_head.weight" and cfg.tied_embeddings:
             src = "model.embed_tokens.weight"
         if name.endswith(".bias"):
             out[name] = torch.zeros(shape, device=device, dtype=dtype)
@@ -254,7 +251,7 @@ def _hf_to_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConf
 
 def _hf_keys_for(role: str, prefix: str, cfg: ModelConfig) -> list[str]:
     kind = role.split(".")[1]  # weight / bias
-    glu = cfg.activation == "swiglu"
+    glu = cfg.gated_mlp
     return {
         "ln1": [f"{prefix}input_layernorm.{kind}"],
         "ln2": [f"{prefix}post_attention_layernorm.{kind}"],
@@ -276,7 +273,7 @@ def iter_stage_hf(model, cfg: ModelConfig, tp_group) -> Iterator[tuple[str, torc
     caller keeps them.
     """
     tp = _Tp(tp_group)
-    glu = cfg.activation == "swiglu"
+    glu = cfg.gated_mlp
 
     def put(name, t):
         return name, t.detach().to(device="cpu", dtype=torch.float32, copy=True)
@@ -342,7 +339,7 @@ def load_stage_hf(model, cfg: ModelConfig, hf: dict[str, torch.Tensor], tp_rank:
     """
     missing = [n for n in stage_hf_names(model, cfg) if n not in hf]
     if "lm_head.weight" in missing and "model.embed_tokens.weight" in hf and \
-            not cfg.untie_embeddings_and_output_weights:
+            cfg.tied_embeddings:
         missing.remove("lm_head.weight")  # tied checkpoints usually omit the head
     if missing:
         raise KeyError(f"load_weights: {len(missing)} tensors missing, e.g. {missing[:5]}")
@@ -350,7 +347,7 @@ def load_stage_hf(model, cfg: ModelConfig, hf: dict[str, torch.Tensor], tp_rank:
         if n in hf and tuple(hf[n].shape) != hf_shape(cfg, n):
             raise ValueError(f"load_weights: {n} has shape {tuple(hf[n].shape)}, the model config expects "
                              f"{hf_shape(cfg, n)}; check model.* against the checkpoint's config.json")
-    glu = cfg.activation == "swiglu"
+    glu = cfg.gated_mlp
 
     def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.chunk(tp_size, dim)[tp_rank]

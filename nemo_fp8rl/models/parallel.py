@@ -110,7 +110,7 @@ def validate_layout(parallel_cfg: ParallelConfig, world_size: int, model_cfg: Op
                          "set it to false")
     if model_cfg is None:
         return
-    groups = model_cfg.num_query_groups or model_cfg.num_attention_heads
+    groups = model_cfg.num_kv_heads
     checks = [
         ("num_attention_heads", model_cfg.num_attention_heads, tp, "tensor_model_parallel_size"),
         ("num_query_groups", groups, tp, "tensor_model_parallel_size"),

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nemo_fp8rl.config.model import ModelConfig
+
 __all__ = [
     "KVCache",
     "Fp8Weight",
@@ -75,7 +77,10 @@ WeightsArg = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape fields the rollout model needs, resolved from a ``ModelConfig`` (defaults filled in)."""
+    """The shape the rollout model runs, resolved from a ``ModelConfig`` and checked against what this
+    engine implements. The derived sizes (head dim, KV heads, biases, tied head) are ModelConfig's
+    (:attr:`~nemo_fp8rl.config.model.ModelConfig.head_dim`, ``num_kv_heads``, ``qkv_bias``,
+    ``tied_embeddings``); this only freezes them with the engine's field names."""
 
     num_layers: int
     hidden_size: int
@@ -94,35 +99,29 @@ class ModelShape:
     seq_length: int
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ModelShape:
-        """Resolve ``cfg`` (a :class:`nemo_fp8rl.config.model.ModelConfig` or anything with its fields).
+    def from_config(cls, cfg: ModelConfig) -> ModelShape:
+        """Resolve ``cfg`` (a :class:`nemo_fp8rl.config.model.ModelConfig`).
 
         Raises ``ValueError`` for shapes or options this engine does not implement, naming the key.
         """
-        norm = getattr(cfg, "normalization", "RMSNorm")
-        if norm != "RMSNorm":
-            raise ValueError(f"model.normalization={norm!r}: the torch rollout engine implements RMSNorm only")
-        act = getattr(cfg, "activation", "swiglu")
-        if act != "swiglu":
-            raise ValueError(f"model.activation={act!r}: the torch rollout engine implements swiglu only")
-        heads = int(cfg.num_attention_heads)
-        groups = int(cfg.num_query_groups) if cfg.num_query_groups is not None else heads
+        if cfg.normalization != "RMSNorm":
+            raise ValueError(f"model.normalization={cfg.normalization!r}: the torch rollout engine implements "
+                             "RMSNorm only")
+        if cfg.activation != "swiglu":
+            raise ValueError(f"model.activation={cfg.activation!r}: the torch rollout engine implements swiglu only")
+        heads, groups = int(cfg.num_attention_heads), int(cfg.num_kv_heads)
         if heads % groups != 0:
             raise ValueError(
                 f"model.num_attention_heads={heads} is not a multiple of model.num_query_groups={groups}"
             )
-        if cfg.kv_channels is not None:
-            hd = int(cfg.kv_channels)
-        else:
-            if cfg.hidden_size % heads != 0:
-                raise ValueError(
-                    f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_attention_heads={heads}; "
-                    "set model.kv_channels"
-                )
-            hd = cfg.hidden_size // heads
+        if not cfg.kv_channels and cfg.hidden_size % heads != 0:
+            raise ValueError(
+                f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_attention_heads={heads}; "
+                "set model.kv_channels"
+            )
+        hd = int(cfg.head_dim)
         if hd % 2 != 0:
             raise ValueError(f"head dimension {hd} is odd; RoPE needs an even model.kv_channels")
-        linear_bias = bool(getattr(cfg, "add_bias_linear", False))
         return cls(
             num_layers=int(cfg.num_layers),
             hidden_size=int(cfg.hidden_size),
@@ -134,11 +133,11 @@ class ModelShape:
             norm_epsilon=float(cfg.norm_epsilon),
             rotary_base=float(cfg.rotary_base),
             rope_scaling_factor=None if cfg.rope_scaling_factor is None else float(cfg.rope_scaling_factor),
-            qk_layernorm=bool(getattr(cfg, "qk_layernorm", False)),
-            qkv_bias=bool(getattr(cfg, "add_qkv_bias", False)) or linear_bias,
-            linear_bias=linear_bias,
-            tied_embeddings=not bool(getattr(cfg, "untie_embeddings_and_output_weights", True)),
-            seq_length=int(getattr(cfg, "seq_length", 1 << 30)),
+            qk_layernorm=bool(cfg.qk_layernorm),
+            qkv_bias=bool(cfg.qkv_bias),
+            linear_bias=bool(cfg.add_bias_linear),
+            tied_embeddings=bool(cfg.tied_embeddings),
+            seq_length=int(cfg.seq_length),
         )
 
 
