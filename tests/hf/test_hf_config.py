@@ -7,14 +7,13 @@ import shutil
 import pytest
 
 from nemo_fp8rl.config.model import ModelConfig
-from nemo_fp8rl.models.hf import (
-    HFCheckpoint,
+from nemo_fp8rl.models.hf_config import (
     HFCheckpointError,
     hf_config_to_model_fields,
-    load_hf_state_dict,
     model_config_to_hf_config,
     resolve_model_config,
 )
+from nemo_fp8rl.models.hf_load import HFCheckpoint, load_hf_state_dict
 
 # The published config.json of Qwen3-8B and Llama-3.1-8B (legacy rope_theta / rope_scaling form).
 QWEN3_8B = {

@@ -87,7 +87,8 @@ def test_trained_policy_exports_and_loads(runs, arch):
 def test_export_from_scratch_model_config(tmp_path):
     """A model trained from scratch (no source checkpoint) exports as Llama/Qwen2/Qwen3 by its features."""
     from nemo_fp8rl.config.model import ModelConfig
-    from nemo_fp8rl.models.hf import hf_architecture, save_hf_state_dict
+    from nemo_fp8rl.models.hf_config import hf_architecture
+    from nemo_fp8rl.models.hf_save import save_hf_state_dict
     from nemo_fp8rl.models.hf_weights import init_hf_state_dict
 
     for kw, arch in [({}, "llama"), ({"add_qkv_bias": True}, "qwen2"),

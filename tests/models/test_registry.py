@@ -67,7 +67,8 @@ def test_fetched_directory_is_complete_and_verified(smollm2):
     assert not list(path.glob("*.gguf"))  # the source file is not kept in the checkpoint directory
 
     from nemo_fp8rl.config.model import ModelConfig
-    from nemo_fp8rl.models.hf import load_hf_state_dict, resolve_model_config
+    from nemo_fp8rl.models.hf_config import resolve_model_config
+    from nemo_fp8rl.models.hf_load import load_hf_state_dict
 
     cfg = resolve_model_config(ModelConfig(hf_path=f"registry:{NAME}"))
     assert cfg.hf_path == str(path)
@@ -107,7 +108,8 @@ def test_megatron_logprobs_match_transformers(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
-    from nemo_fp8rl.models.hf import load_hf_policy, resolve_model_config
+    from nemo_fp8rl.models.hf_config import resolve_model_config
+    from nemo_fp8rl.models.hf_load import load_hf_policy
 
     path = smollm2[0]
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

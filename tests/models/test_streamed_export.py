@@ -62,7 +62,7 @@ def test_hf_checkpoint_from_the_stream_equals_the_one_from_the_dict(tmp_path):
     save_hf_state_dict writes from the whole state dict, byte for byte (several shards)."""
     from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
     from nemo_fp8rl.models import build_actor
-    from nemo_fp8rl.models.hf import save_hf_checkpoint, save_hf_state_dict
+    from nemo_fp8rl.models.hf_save import save_hf_checkpoint, save_hf_state_dict
 
     actor = build_actor(ModelConfig(vocab_size=19), ParallelConfig(), seed=0, lr=1e-4, device="cpu")
     a = save_hf_checkpoint(actor, tmp_path / "stream", max_shard_bytes=200_000)
