@@ -2,7 +2,10 @@
 
 ``nemo-fp8rl-plan`` (and the launcher's pre-submit check) answers "does ``qwen3_32b`` at TP8 PP2
 with ``fp8=blockwise`` and 4k-token sequences fit an 80 GB GPU?" from the config alone. Every number is
-computed here from the model shape, the layout and the recipe; nothing is looked up.
+computed here from the model shape (``ModelConfig``'s derived sizes: ``head_dim``, ``q_width``,
+``kv_width``, ``padded_vocab(tp)``), the layout and the recipe; nothing is looked up. This module is the
+byte model; :mod:`nemo_fp8rl.launcher.memory_report` prints a plan and
+:mod:`nemo_fp8rl.launcher.memory_cli` is the ``nemo-fp8rl-plan`` command.
 
 What one GPU holds while it trains (the most loaded pipeline stage; each formula is in the docstring of
 the function that computes it):
@@ -65,62 +68,20 @@ class PlanError(ValueError):
     """Input the plan cannot use; the message names the key or option and the fix."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the formulas use (from :class:`~nemo_fp8rl.config.model.ModelConfig`).
-
-    ``vocab`` is the padded vocabulary of one TP layout (Megatron's rule: a multiple of
-    ``make_vocab_size_divisible_by x TP``): both the embedding and the LM head have ``vocab`` rows.
-    """
-
-    hidden: int  # h
-    layers: int  # L
-    heads: int  # n_q
-    groups: int  # n_kv (KV heads)
-    head_dim: int  # d
-    ffn: int  # f
-    vocab: int  # V (padded)
-    gated: bool  # SwiGLU: fc1 is [2f, h]
-    qkv_bias: bool
-    linear_bias: bool
-    qk_norm: bool
-    tied: bool
-    norm_params: int  # 1 (RMSNorm) or 2 (LayerNorm: weight + bias)
-
-    @property
-    def q(self) -> int:
-        """Query width n_q d (not always h: Qwen3-32B has 64 x 128 = 8192 > h = 5120)."""
-        return self.heads * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        """Key (= value) width n_kv d."""
-        return self.groups * self.head_dim
-
-
-def model_shape(model, tp: int) -> ModelShape:
-    """:class:`ModelShape` of a ``ModelConfig`` at tensor-parallel size ``tp``.
-
-    Raises:
+def _require_vocab(model) -> None:
+    """Raises:
         PlanError: ``model.vocab_size`` is unset (the trainer takes it from the task's tokenizer; the plan
-            needs it: set ``model.vocab_size`` or use a task whose tokenizer :func:`resolve_vocab` can build).
+            needs it: set ``model.vocab_size`` or let the CLI build the task's tokenizer,
+            :func:`nemo_fp8rl.launcher.memory_cli.resolve_for_plan`).
     """
-    from nemo_fp8rl.models.gpt import padded_vocab_size
-
     if model.vocab_size is None:
         raise PlanError("model.vocab_size is null (the trainer takes it from the task's tokenizer); set "
                         "model.vocab_size=<tokenizer size> for the plan")
-    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
-    return ModelShape(
-        hidden=model.hidden_size, layers=model.num_layers, heads=model.num_attention_heads,
-        groups=model.num_query_groups or model.num_attention_heads, head_dim=head_dim,
-        ffn=model.ffn_hidden_size,
-        vocab=padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, tp),
-        gated=model.activation == "swiglu", qkv_bias=model.add_qkv_bias or model.add_bias_linear,
-        linear_bias=model.add_bias_linear, qk_norm=model.qk_layernorm,
-        tied=not model.untie_embeddings_and_output_weights,
-        norm_params=1 if model.normalization == "RMSNorm" else 2,
-    )
+
+
+def _norm_params(model) -> int:
+    """Parameters per normalised channel c: 1 (RMSNorm weight) or 2 (LayerNorm weight + bias)."""
+    return 1 if model.normalization == "RMSNorm" else 2
 
 
 @dataclass(frozen=True)
@@ -133,10 +94,12 @@ class StageParams:
     head: int  # LM head weight on this rank (0 if none, or tied with PP=1: the embedding is the head)
 
 
-def stage_parameters(shape: ModelShape, tp: int, pp: int, stage: int, *, fp8_layers: Optional[set] = None) -> StageParams:
-    """Elements of the parameters held by one rank of pipeline stage ``stage`` (0-based).
+def stage_parameters(model, tp: int, pp: int, stage: int, *, fp8_layers: Optional[set] = None) -> StageParams:
+    """Elements of the parameters ``model`` (a ``ModelConfig``) has on one rank of pipeline stage ``stage``
+    (0-based).
 
-    Per transformer layer, with t = TP (megatron's sharding; norms and row-parallel biases replicated)::
+    Sizes are the config's derived ones (h hidden, n_q d = ``q_width``, n_kv d = ``kv_width``, f FFN,
+    V = ``padded_vocab(t)``, L layers). Per transformer layer, with t = TP (megatron's sharding; norms and row-parallel biases replicated)::
 
         linear  = (h (n_q + 2 n_kv) d  +  n_q d h  +  h f g  +  f h) / t          g = 2 (SwiGLU) or 1
         other   = 2 h c  [+ (n_q + 2 n_kv) d / t  QKV bias]  [+ 2 d  QK norms]
@@ -147,27 +110,28 @@ def stage_parameters(shape: ModelShape, tp: int, pp: int, stage: int, *, fp8_lay
     the embedding is the head). ``fp8_layers``: global indices of layers whose linears run FP8 (None =
     all), the rest count as high-precision linears.
     """
-    h, t = shape.hidden, tp
-    g = 2 if shape.gated else 1
-    linear = (h * (shape.q + 2 * shape.kv) + shape.q * h + h * shape.ffn * g + shape.ffn * h) // t
-    other = 2 * h * shape.norm_params
-    if shape.qkv_bias:
-        other += (shape.q + 2 * shape.kv) // t
-    if shape.qk_norm:
-        other += 2 * shape.head_dim * shape.norm_params
-    if shape.linear_bias:
-        other += h + shape.ffn * g // t + h
-    per_stage = shape.layers // pp
+    h, t, f, c = model.hidden_size, tp, model.ffn_hidden_size, _norm_params(model)
+    q, kv, g = model.q_width, model.kv_width, (2 if model.gated_mlp else 1)
+    vocab = model.padded_vocab(tp)
+    linear = (h * (q + 2 * kv) + q * h + h * f * g + f * h) // t
+    other = 2 * h * c
+    if model.qkv_bias:
+        other += (q + 2 * kv) // t
+    if model.qk_layernorm:
+        other += 2 * model.head_dim * c
+    if model.add_bias_linear:
+        other += h + f * g // t + h
+    per_stage = model.num_layers // pp
     first = range(stage * per_stage, (stage + 1) * per_stage)
     n_fp8 = sum(1 for i in first if fp8_layers is None or i in fp8_layers)
     total = per_stage * (linear + other)
     head = 0
     if stage == 0:
-        total += shape.vocab * h // t
+        total += vocab * h // t
     if stage == pp - 1:
-        total += h * shape.norm_params
-        if not shape.tied or pp > 1:
-            head = shape.vocab * h // t
+        total += h * c
+        if not model.tied_embeddings or pp > 1:
+            head = vocab * h // t
             total += head
     return StageParams(total=total, fp8_linear=n_fp8 * linear, hp_linear=(per_stage - n_fp8) * linear, head=head)
 
@@ -241,7 +205,7 @@ def weight_copy_bytes(sp: StageParams, scaling: Optional[str], optimizer: str, d
     return fp8 + (2 * in_flight * hp if optimizer == "adamw" else 0)
 
 
-def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int, *, scaling: Optional[str], device: str,
+def layer_activation_bytes(model, tokens: int, tp: int, *, scaling: Optional[str], device: str,
                            sequence_parallel: bool, fp8_layer: bool = True) -> int:
     """Bytes one transformer layer saves for its backward, for ``tokens`` = micro batch x sequence tokens.
 
@@ -275,17 +239,18 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int, *, scaling: 
         + RoPE: 4 tensors of s x d per layer (independent of the micro batch; see
           :func:`stage_activation_bytes`).
     """
-    h, t, f = shape.hidden, tp, shape.ffn
-    q, kv, g = shape.q, shape.kv, (2 if shape.gated else 1)
+    h, t, f = model.hidden_size, tp, model.ffn_hidden_size
+    q, kv, g = model.q_width, model.kv_width, (2 if model.gated_mlp else 1)
+    heads, groups = model.num_attention_heads, model.num_kv_heads
     if device == "cpu":
-        gqa = shape.heads > shape.groups
+        gqa = heads > groups
         attn = 4 * q if gqa else 3 * q + 3 * kv
-        mlp = (g + 3) * f if shape.gated else 2 * f
-        per = 6 * h + (attn + mlp + shape.heads) / t + 2
-        if shape.qk_norm:
+        mlp = (g + 3) * f if model.gated_mlp else 2 * f
+        per = 6 * h + (attn + mlp + heads) / t + 2
+        if model.qk_layernorm:
             # GQA: copies of the norm inputs, x / rms and the fused QKV output; MHA: the inputs are views
             # of the fused QKV output (already counted), so only x / rms of q and k
-            per += ((2 * q + kv + q + 2 * kv) if gqa else (q + kv)) / t + (shape.heads + shape.groups) / t
+            per += ((2 * q + kv + q + 2 * kv) if gqa else (q + kv)) / t + (heads + groups) / t
         if fp8_layer and scaling in ("delayed", "tensorwise"):
             per += q / t
         return round(4 * per * tokens)
@@ -297,12 +262,12 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, tp: int, *, scaling: 
         a += 4.0 / 128
     norm_terms = 2 * (2 * h + a * h)
     sharded = (2 * (q + 2 * kv) + 2 * q + (a if fp8 else 0.0) * q
-               + (2 * (q + kv) if shape.qk_norm else 0) + 2 * g * f + (2 * f if shape.gated else 0) + a * f)
+               + (2 * (q + kv) if model.qk_layernorm else 0) + 2 * g * f + (2 * f if model.gated_mlp else 0) + a * f)
     per = (norm_terms + sharded) / t if sequence_parallel else norm_terms + sharded / t
     return round(per * tokens)
 
 
-def logits_bytes(shape: ModelShape, tokens: int, tp: int, device: str) -> int:
+def logits_bytes(model, tokens: int, tp: int, device: str) -> int:
     """Last stage: the vocab-parallel log-softmax of one micro batch at its backward peak.
 
     :func:`~nemo_fp8rl.models.logprobs.vocab_parallel_logprobs` runs in float32 and keeps p = softmax(z)
@@ -311,10 +276,10 @@ def logits_bytes(shape: ModelShape, tokens: int, tp: int, device: str) -> int:
     g_H p (E_p[z] - z), two more [tokens, V / t] float32 temporaries (3 x 4 bytes); on GPU the gradient
     enters the BF16 LM head as a 2-byte cast::
 
-        logits = tokens x V / t x (2 x 4 saved + 3 x 4 backward [+ 2 on GPU])
+        logits = tokens x V / t x (2 x 4 saved + 3 x 4 backward [+ 2 on GPU])        V = model.padded_vocab(t)
     """
     per = 8 + 12 + (2 if device == "gpu" else 0)
-    return per * tokens * shape.vocab // tp
+    return per * tokens * model.padded_vocab(tp) // tp
 
 
 @dataclass(frozen=True)
@@ -394,8 +359,12 @@ class RolloutPlan:
         return self.concurrent >= 1
 
 
-def rollout_plan(shape: ModelShape, tp: int, pp: int, seq: int, sequences: int, scheme: str, reserved: int) -> RolloutPlan:
-    """Weights and KV cache of a GPU rollout engine sharded like training (TP x PP), per GPU.
+def rollout_plan(model, tp: int, pp: int, seq: int, sequences: int, scheme: str, reserved: int, *,
+                 vocab_rows: int) -> RolloutPlan:
+    """Weights and KV cache of a GPU rollout engine split over ``tp`` x ``pp`` GPUs, per GPU.
+
+    ``vocab_rows`` (V below) are the embedding / LM-head rows counted: the plan passes the trainer's padded
+    vocabulary (``model.padded_vocab(training TP)``), whatever the engine's own TP.
 
     Weights: the engine's FP8 scheme stores linear weights in 1 byte (``vllm_w8a8`` per-tensor scale,
     ``vllm_block`` + float32 scale per 128 x 128 tile), embeddings/LM head/norms in BF16 (2 bytes);
@@ -408,17 +377,17 @@ def rollout_plan(shape: ModelShape, tp: int, pp: int, seq: int, sequences: int, 
 
         kv = 2 (k, v) x 2 bytes x (L / PP) x max(1, n_kv / t) x d x seq
     """
-    g = 2 if shape.gated else 1
-    h = shape.hidden
-    linear = shape.layers * (h * (shape.q + 2 * shape.kv) + shape.q * h + h * shape.ffn * g + shape.ffn * h)
-    rest = shape.vocab * h * (1 if shape.tied else 2) + shape.layers * 2 * h + h
+    g = 2 if model.gated_mlp else 1
+    h, f, q, kv, layers = model.hidden_size, model.ffn_hidden_size, model.q_width, model.kv_width, model.num_layers
+    linear = layers * (h * (q + 2 * kv) + q * h + h * f * g + f * h)
+    rest = vocab_rows * h * (1 if model.tied_embeddings else 2) + layers * 2 * h + h
     b_lin = {"off": 2.0, "vllm_w8a8": 1.0, "vllm_block": 1.0 + 4.0 / (128 * 128), "same_as_train": 1.0}
     if scheme not in b_lin:
         raise PlanError(f"rollout.fp8.scheme={scheme!r}; choose one of {sorted(b_lin)}")
     weights = round((b_lin[scheme] * linear + 2 * rest) / (tp * pp))
-    kv_heads = max(1, shape.groups // tp)
-    kv = 2 * 2 * (shape.layers // pp) * kv_heads * shape.head_dim * seq
-    return RolloutPlan(reserved=reserved, weights=weights, kv_per_sequence=kv, sequences=sequences, scheme=scheme)
+    kv_heads = max(1, model.num_kv_heads // tp)
+    kv_bytes = 2 * 2 * (layers // pp) * kv_heads * model.head_dim * seq
+    return RolloutPlan(reserved=reserved, weights=weights, kv_per_sequence=kv_bytes, sequences=sequences, scheme=scheme)
 
 
 @dataclass(frozen=True)
@@ -513,7 +482,7 @@ def microbatches(cfg, dp: int) -> int:
     return max(1, math.ceil(per_rank / dp / cfg.parallel.micro_batch_size))
 
 
-def stage_activation_bytes(cfg, shape: ModelShape, stage: int, *, recipe, device: str, dp: int,
+def stage_activation_bytes(cfg, stage: int, *, recipe, device: str, dp: int,
                            recompute: bool = False) -> tuple[int, int]:
     """Activations held by pipeline stage ``stage`` at its peak: ``(bytes, microbatches in flight)``.
 
@@ -535,25 +504,25 @@ def stage_activation_bytes(cfg, shape: ModelShape, stage: int, *, recipe, device
     in_flight = min(pp - stage, n_micro)
     fp8_layers = _fp8_layers(cfg, recipe)
     scaling = recipe.scaling if recipe is not None else None
-    per_stage = shape.layers // pp
+    per_stage = m.num_layers // pp
     sp = p.sequence_parallel and device == "gpu"
     layer_bytes = []
     for i in range(stage * per_stage, (stage + 1) * per_stage):
         fp8_layer = recipe is not None and (fp8_layers is None or i in fp8_layers)
-        b = layer_activation_bytes(shape, tokens, tp, scaling=scaling, device=device, sequence_parallel=sp,
+        b = layer_activation_bytes(m, tokens, tp, scaling=scaling, device=device, sequence_parallel=sp,
                                    fp8_layer=fp8_layer)
         if device == "cpu":
-            b += 4 * 4 * m.seq_length * shape.head_dim
+            b += 4 * 4 * m.seq_length * m.head_dim
         layer_bytes.append(b)
     if recompute:
         act_bytes = 4 if device == "cpu" else 2
-        inputs = act_bytes * shape.hidden * tokens // (tp if sp else 1)
+        inputs = act_bytes * m.hidden_size * tokens // (tp if sp else 1)
         per_micro = per_stage * inputs + max(layer_bytes)
     else:
         per_micro = sum(layer_bytes)
     total = in_flight * per_micro
     if stage == pp - 1:
-        total += (3 * 4 * shape.hidden * tokens) if device == "cpu" else (4 * shape.hidden * tokens // (tp if sp else 1))
+        total += (3 * 4 * m.hidden_size * tokens) if device == "cpu" else (4 * m.hidden_size * tokens // (tp if sp else 1))
     return total, in_flight
 
 
@@ -565,7 +534,7 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
     options.check()
     p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    shape = model_shape(cfg.model, tp)
+    _require_vocab(cfg.model)
     if recipe_name is not None:
         f = cfg.fp8
         recipe = resolve_recipe(recipe_name, first_last_layers_bf16=f.first_last_layers_bf16 and recipe_name != "delayed",
@@ -579,15 +548,15 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
     fp8_layers = _fp8_layers(cfg, recipe) if recipe is not None else None
     best = None
     for stage in range(pp):
-        sp = stage_parameters(shape, tp, pp, stage, fp8_layers=fp8_layers if recipe is not None else set())
+        sp = stage_parameters(cfg.model, tp, pp, stage, fp8_layers=fp8_layers if recipe is not None else set())
         comps = state_bytes(sp.total, optimizer, options.dp, options.device)
-        act, in_flight = stage_activation_bytes(cfg, shape, stage, recipe=recipe, device=options.device, dp=options.dp)
+        act, in_flight = stage_activation_bytes(cfg, stage, recipe=recipe, device=options.device, dp=options.dp)
         tokens = p.micro_batch_size * cfg.model.seq_length
         comps = {"weights": comps["weights"],
                  "weight copies": weight_copy_bytes(sp, scaling, optimizer, options.device, in_flight),
                  "grads": comps["grads"], "optimizer": comps["optimizer"], "activations": act,
-                 "logits": logits_bytes(shape, tokens, tp, options.device) if stage == pp - 1 else 0}
-        rec, _ = stage_activation_bytes(cfg, shape, stage, recipe=recipe, device=options.device, dp=options.dp,
+                 "logits": logits_bytes(cfg.model, tokens, tp, options.device) if stage == pp - 1 else 0}
+        rec, _ = stage_activation_bytes(cfg, stage, recipe=recipe, device=options.device, dp=options.dp,
                                         recompute=True)
         if best is None or sum(comps.values()) > sum(best[0].values()):
             best = (comps, rec, stage, in_flight)
@@ -607,7 +576,8 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
         if split:  # the replica's TP x PP / r_tp engines each generate their share (rollout.split_prompts)
             engines = max(1, (tp * pp) // (r_tp if vllm else 1))
             sequences = -(-sequences // engines)
-        rollout = rollout_plan(shape, r_tp, r_pp, cfg.model.seq_length, sequences, scheme, int(share * cap))
+        rollout = rollout_plan(cfg.model, r_tp, r_pp, cfg.model.seq_length, sequences, scheme, int(share * cap),
+                               vocab_rows=cfg.model.padded_vocab(tp))
         if vllm and cfg.rollout.enable_sleep:
             rollout = dataclasses.replace(rollout, sleeps=True)
     return MemoryPlan(
@@ -692,7 +662,7 @@ def suggest_fixes(cfg, options: PlanOptions, *, world: Optional[int] = None, gpu
             break
         mbs //= 2
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    groups = m.num_query_groups or m.num_attention_heads
+    groups = m.num_kv_heads
     world = world or tp * pp * options.dp
     for key, sizes in (("tensor_model_parallel_size", [t for t in (2, 4, 8) if t > tp and t <= gpus_per_node]),
                        ("pipeline_model_parallel_size", [q for q in (2, 4, 8, 16) if q > pp])):
@@ -749,291 +719,30 @@ def megatron_reference(cfg, dp: int, optimizer: str) -> dict[str, int]:
     """
     m, p = cfg.model, cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    shape = model_shape(m, tp)
-    h, f, c = shape.hidden, shape.ffn, shape.norm_params
-    g = 1.5 if shape.gated else 1.0
-    layer = 2 * h * (g * f + c) + 2 * h * (shape.q + shape.kv)
-    block = shape.layers * layer + c * h
-    emb = shape.vocab * h
-    p_max = (block / pp + emb) / tp + (emb / tp if not shape.tied and pp == 1 else 0)
+    _require_vocab(m)
+    h, f, c, vocab = m.hidden_size, m.ffn_hidden_size, _norm_params(m), m.padded_vocab(tp)
+    g = 1.5 if m.gated_mlp else 1.0
+    layer = 2 * h * (g * f + c) + 2 * h * (m.q_width + m.kv_width)
+    block = m.num_layers * layer + c * h
+    emb = vocab * h
+    p_max = (block / pp + emb) / tp + (emb / tp if not m.tied_embeddings and pp == 1 else 0)
     per_param = 18 if optimizer == "adamw" else 6 + 12 / dp
     s, b = m.seq_length, p.micro_batch_size
     n = microbatches(cfg, dp)
     if p.sequence_parallel:
-        act = s * b * h * (18 + 4 * f / h) * shape.layers
+        act = s * b * h * (18 + 4 * f / h) * m.num_layers
         act += 8 * s * b * pp + s * b * h * pp
         act *= min(1.0, n / pp) if pp > 1 else 1.0
         if pp == 1:
-            act += 4 * s * b * h * (1 + shape.vocab / h)
+            act += 4 * s * b * h * (1 + vocab / h)
         act /= tp
     else:
-        act = s * b * h * (10 + 24 / tp) * shape.layers + 8 * s * b * pp + s * b * h * pp
+        act = s * b * h * (10 + 24 / tp) * m.num_layers + 8 * s * b * pp + s * b * h * pp
         act *= min(1.0, n / pp) if pp > 1 else 1.0
         if pp == 1:
-            act += 2 * (s * b * shape.vocab / tp + s * b * h)
+            act += 2 * (s * b * vocab / tp + s * b * h)
         act *= 1.05
     return {"weights+optimizer": round(p_max * per_param), "activations": round(act)}
-
-
-# ----------------------------------------------------------------------------- printing
-_ROWS = ("weights", "weight copies", "grads", "optimizer", "activations", "logits")
-
-
-def format_table(plans: list[MemoryPlan], own: Optional[tuple[Optional[str], str]] = None) -> str:
-    """Components (rows) x arms (columns) in GiB, one block per optimizer; ``own`` marks the config's arm."""
-    lines = []
-    unit, scale = ("GiB", GIB) if max(pl.train_total for pl in plans) >= GIB else ("MiB", 2**20)
-    per = "GPU" if plans[0].capacity is not None else "rank"
-    for optimizer in dict.fromkeys(pl.optimizer for pl in plans):
-        block = [pl for pl in plans if pl.optimizer == optimizer]
-        names = [pl.arm + ("*" if own == (pl.recipe, pl.optimizer) else "") for pl in block]
-        width = max(11, *(len(n) + 1 for n in names))
-        title = {"adamw": "optimizer adamw (torch AdamW, float32 parameters and state on every DP rank)",
-                 "distributed": ("optimizer distributed (BF16 params, float32 main params/moments sharded over DP)"
-                                 if per == "GPU" else "optimizer distributed (Adam moments sharded over DP)")}
-        lines.append(title[optimizer])
-        lines.append(f"  {unit + ' per ' + per:<26}" + "".join(f"{n:>{width}}" for n in names))
-
-        def row(label, values, fmt="{:.2f}"):
-            lines.append(f"  {label:<26}" + "".join(f"{fmt.format(v):>{width}}" for v in values))
-
-        for name in _ROWS:
-            row(name, [pl.components[name] / scale for pl in block])
-        row("= training total", [pl.train_total / scale for pl in block])
-        if block[0].capacity is not None:
-            row("  activations, recompute", [pl.recompute_activations / scale for pl in block])  # not in total
-            if block[0].rollout is not None:
-                row("rollout engine reserved", [pl.rollout.reserved / scale for pl in block])
-                if block[0].rollout.sleeps:
-                    row("  + resident, generating", [(pl.resident + pl.rollout.reserved) / scale for pl in block])
-            row("available for training", [pl.available / scale for pl in block])
-            row("fits", ["yes" if pl.fits else "NO" for pl in block], fmt="{}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def describe(cfg, options: PlanOptions, plan: MemoryPlan) -> str:
-    """Header lines: the model, layout, batch and assumptions of a plan."""
-    p, m, a = cfg.parallel, cfg.model, cfg.algorithm
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    shape = model_shape(m, tp)
-    total = sum(stage_parameters(shape, tp, pp, s).total for s in range(pp)) * tp
-    count = f"{total / 1e9:.3f}B" if total >= 1e9 else f"{total / 1e6:.3f}M"
-    where = options.gpu_label if options.device == "gpu" else "CPU (emulated FP8, float32)"
-    lines = [
-        f"model {m.name}: {count} parameters over the TP x PP ranks of one replica (vocabulary padded "
-        f"to {shape.vocab}), {m.num_layers} layers, seq_length {m.seq_length}",
-        f"layout TP={tp} x PP={pp} x DP={options.dp}, sequence_parallel={str(p.sequence_parallel).lower()}, "
-        f"micro_batch_size={p.micro_batch_size}: {plan.microbatches} microbatches per update, "
-        f"{plan.in_flight} in flight on stage {plan.stage} (the most loaded, shown)",
-        f"device {where}" + (f", headroom {options.headroom:.0%} (assumed)" if options.device == "gpu" else ""),
-    ]
-    if options.device == "gpu" and cfg.fp8.backend in ("emulate", "torch") and cfg.fp8.recipe not in (None, "off"):
-        lines.append(f"fp8.backend={cfg.fp8.backend}: our FP8 linears, not Transformer Engine's; this GPU profile "
-                     "models TE's layers (FP8 weight copies, workspaces), so read it as an estimate for this run")
-    if options.device == "gpu":
-        if plan.rollout is None:
-            lines.append(f"rollout engine {cfg.rollout.engine!r}: runs on the host today (no GPU memory); "
-                         "--rollout-share F plans a colocated GPU engine taking F of each GPU")
-        else:
-            r = plan.rollout
-            src = (f"--rollout-share {options.rollout_share:g}" if options.rollout_share is not None
-                   else f"rollout.gpu_memory_utilization={rollout_share(cfg, options):g}, "
-                        f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}, "
-                        + ("sleeps while training" if r.sleeps else "keeps its memory while training"))
-            lines.append(
-                f"rollout engine {cfg.rollout.engine!r} (GPU, {r.scheme}, {src}): weights "
-                f"{r.weights / GIB:.2f} GiB, KV {r.kv_per_sequence / 2**20:.1f} MiB per {m.seq_length}-token "
-                f"sequence: room for {r.concurrent} sequences at once, the engine's rollout batch is {r.sequences}"
-                + ("" if r.fits else ": NOT EVEN ONE SEQUENCE FITS"))
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- command line
-_PROG = "nemo-fp8rl-plan"
-_USAGE = f"""{_PROG} [options] OVERRIDE...
-
-Per-GPU memory of a training config, by component, for BF16 and each FP8 recipe side by side, with both
-optimizer paths, and whether it fits a GPU. OVERRIDEs are either training overrides, as for
-nemo-fp8rl-train (config groups and keys of nemo_fp8rl/conf/: model=qwen3_32b parallel=tp8_pp2
-fp8=blockwise parallel.micro_batch_size=1 ...; data-parallel size from --world-size), or launcher overrides, as for
-nemo-fp8rl-launch (rl=<stage> rl.<key>=... ; the job shape gives DP; required paths may be omitted).
-Exit code 0: the config's own arm fits; 1: it does not (the message names knobs that would fit); 2: bad input.
-
-examples:
-  {_PROG} model=qwen3_32b parallel=tp8_pp2 fp8=blockwise --world-size 32
-  {_PROG} rl=qwen3_8b_grpo_blockwise --gpu h200 --rollout-share 0.4
-  {_PROG} model=tiny --device cpu
-"""
-
-
-def _is_launcher_override(arg: str) -> bool:
-    key = arg.lstrip("+").split("=", 1)[0]
-    return key.split(".", 1)[0] in ("rl", "cluster", "stages", "cluster_type", "launcher", "base_results_dir",
-                                    "container", "container_mounts", "env_vars", "launcher_scripts_path")
-
-
-def train_config_from_overrides(overrides: list[str], compose_train):
-    """``conf/`` config groups (``model=qwen3_8b``) and keys (``parallel.micro_batch_size=1``, with an
-    optional ``+``) -> a validated TrainConfig. ``compose_train(group_overrides)`` composes the groups."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from nemo_fp8rl.config.schema import ConfigError
-    from nemo_fp8rl.validation import validate
-
-    groups, keys = [], []
-    for o in overrides:
-        if "=" not in o:
-            raise PlanError(f"{o!r} is not an override; write key=value (e.g. model=qwen3_8b or "
-                            "parallel.micro_batch_size=1)")
-        key = o.split("=", 1)[0]
-        (keys if ("." in key or key.startswith("+")) else groups).append(o)
-    try:
-        base = compose_train(groups)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
-    try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist([k.lstrip("+") for k in keys]))
-        return validate(OmegaConf.to_object(merged))
-    except ConfigError as e:
-        raise PlanError(str(e)) from None
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        first = str(e).strip().splitlines()[0]
-        raise PlanError(f"{key}: {first}; the training keys are in nemo_fp8rl/config/schema.py") from None
-
-
-def resolve_for_plan(cfg):
-    """The model shape the ranks will build: ``model.hf_path``'s config.json when it is readable here,
-    and ``model.vocab_size`` from the task's tokenizer when it is null (as the trainer does)."""
-    from pathlib import Path
-
-    model = cfg.model
-    if model.hf_path and model.hf_path.startswith("registry:"):  # a registry model: its cached directory
-        from nemo_fp8rl.models.registry import resolve_hf_path
-
-        model = dataclasses.replace(model, hf_path=resolve_hf_path(model.hf_path))
-    if model.hf_path and Path(model.hf_path).is_dir():
-        from nemo_fp8rl.models.hf import resolve_model_config
-
-        model = resolve_model_config(model)
-    if model.vocab_size is None:
-        try:
-            from nemo_fp8rl.tasks import get_task, task_class, task_kwargs
-
-            task = get_task(cfg.task.name, **task_kwargs(cfg, task_class(cfg.task.name), seed=0))
-            model = dataclasses.replace(model, vocab_size=task.tokenizer.vocab_size)
-        except Exception as e:  # noqa: BLE001 - any task failure means: the plan needs the size given
-            raise PlanError(f"model.vocab_size is null and the task {cfg.task.name!r} could not give its "
-                            f"tokenizer's size here ({e}); set model.vocab_size=<size>") from None
-    return dataclasses.replace(cfg, model=model)
-
-
-def report(cfg, options: PlanOptions, *, label: str, world: Optional[int] = None, gpus_per_node: int = 8,
-           compare_megatron: bool = False, out=print) -> bool:
-    """Print the plan of ``cfg`` (header, table, verdict, fixes); True when the config's own arm fits."""
-    own = plan_config(cfg, options)
-    table = plan_table(cfg, options)
-    if (own.recipe, own.optimizer) not in [(pl.recipe, pl.optimizer) for pl in table]:
-        table = [*table, own]
-    out(f"== {label}")
-    out(describe(cfg, options, own))
-    out("")
-    out(format_table(table, own=(own.recipe, own.optimizer)))
-    if compare_megatron and options.device == "gpu":
-        for opt in OPTIMIZERS:
-            ref = megatron_reference(cfg, options.dp, opt)
-            ours = plan_arm(cfg, options, recipe_name=None, optimizer=opt)
-            state = sum(ours.components[k] for k in ("weights", "grads", "optimizer"))
-            out(f"Megatron-LM theoretical memory ({opt}, BF16): weights+optimizer "
-                f"{ref['weights+optimizer'] / GIB:.2f} GiB (this plan: {state / GIB:.2f}), activations "
-                f"{ref['activations'] / GIB:.2f} GiB (this plan: activations + logits "
-                f"{(ours.components['activations'] + ours.components['logits']) / GIB:.2f})")
-        out("")
-    out(f"this config ({own.arm}, optimizer {own.optimizer}): {own.summary()}")
-    if not own.fits:
-        fixes = suggest_fixes(cfg, options, world=world, gpus_per_node=gpus_per_node)
-        if fixes:
-            out("  would fit with: " + "; or ".join(fixes))
-        else:
-            out("  " + no_fix_hint(own))
-    return own.fits
-
-
-def no_fix_hint(plan: MemoryPlan) -> str:
-    """What to do when :func:`suggest_fixes` finds no single knob: depends on what does not fit."""
-    r = plan.rollout
-    if r is not None and plan.train_total <= plan.available and not (r.fits and plan.generation_fits):
-        fp8 = ("FP8 rollout (rollout.fp8.scheme=vllm_block) stores its linears in 1 byte, or " if plan.recipe
-               else "the BF16 arm generates in BF16; or ")
-        return ("training fits, the rollout engine does not: each vllm engine holds the whole model on "
-                f"rollout.tensor_parallel_size GPUs ({r.weights / GIB:.1f} GiB of weights per GPU here); a larger "
-                f"rollout.tensor_parallel_size splits it, {fp8}use a GPU with more memory (--gpu h200; "
-                "launcher: +launcher.memory_plan=h200)")
-    return ("no single knob tried here makes it fit (micro batch, TP, PP, optimizer): use more GPUs per replica "
-            "or a GPU with more memory")
-
-
-def main(argv: list[str], *, compose_train, compose_launcher, plan_stages, out=print, err=None) -> int:
-    """``nemo-fp8rl-plan``; the Hydra composition functions come from ``nemo_fp8rl.launch``. Returns the exit code."""
-    import argparse
-    import sys
-
-    err = err or (lambda msg: print(msg, file=sys.stderr))
-    parser = argparse.ArgumentParser(prog=_PROG, usage=_USAGE, add_help=True)
-    parser.add_argument("--gpu", default=None, help=f"GPU type: {sorted(GPUS_MIB)} (default h100)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="GPU memory in GiB (instead of --gpu)")
-    parser.add_argument("--headroom", type=float, default=PlanOptions.headroom,
-                        help="share of the GPU kept free for CUDA context, NCCL and fragmentation (assumed 0.10)")
-    parser.add_argument("--rollout-share", type=float, default=None,
-                        help="plan a colocated GPU rollout engine reserving this share of each GPU")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="GPUs of the training job (training overrides; default TP x PP, i.e. DP=1)")
-    parser.add_argument("--device", default="gpu", choices=list(DEVICES),
-                        help="gpu: TE spec, BF16 activations, capacity check; cpu: the emulated float32 spec")
-    parser.add_argument("--compare-megatron", action="store_true",
-                        help="also print Megatron-LM's theoretical memory formulas for the BF16 arm")
-    parser.add_argument("overrides", nargs="*")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return 0 if e.code == 0 else 2
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from nemo_fp8rl.launcher.plan import LaunchError
-
-    try:
-        if not args.overrides:
-            raise PlanError("give a config: training overrides (model=qwen3_8b ...) or a launcher stage "
-                            "(rl=qwen3_8b_grpo_blockwise)")
-        runs = []  # (label, cfg, dp, world, gpus_per_node, launcher gpu setting)
-        if any(_is_launcher_override(a) for a in args.overrides):
-            runs = _launcher_runs(args.overrides, compose_launcher, plan_stages)
-        else:
-            cfg = resolve_for_plan(train_config_from_overrides(args.overrides, compose_train))
-            tp = cfg.parallel.tensor_model_parallel_size
-            pp = cfg.parallel.pipeline_model_parallel_size
-            world = args.world_size or tp * pp
-            if world % (tp * pp):
-                raise PlanError(f"--world-size {world} is not a multiple of TP x PP = {tp * pp}")
-            runs = [(f"{cfg.model.name} (training config)", cfg, world // (tp * pp), world, 8, None)]
-        ok = True
-        for label, cfg, dp, world, gpn, gpu_setting in runs:
-            gpu, gib = args.gpu, args.gpu_memory_gib
-            if gpu is None and gib is None and gpu_setting is not None:
-                gpu, gib = gpu_setting
-            options = PlanOptions(dp=dp, device=args.device, gpu=gpu or "h100", gpu_memory_gib=gib,
-                                  headroom=args.headroom, rollout_share=args.rollout_share)
-            options.check()
-            ok &= report(cfg, options, label=label, world=world, gpus_per_node=gpn,
-                         compare_megatron=args.compare_megatron, out=out)
-        return 0 if ok else 1
-    except (PlanError, LaunchError, ValueError, HydraException, OmegaConfBaseException) as e:
-        # Hydra's composition errors name the override and the fix ("use +rl.rollout.engine=..."): no traceback
-        err(f"{_PROG}: {e}")
-        return 2
 
 
 def memory_plan_setting(value) -> Optional[tuple[Optional[str], Optional[float]]]:
@@ -1055,34 +764,18 @@ def memory_plan_setting(value) -> Optional[tuple[Optional[str], Optional[float]]
                     "(e.g. 94) or off")
 
 
-def _launcher_runs(overrides, compose_launcher, plan_stages):
-    """Launcher overrides -> one (label, cfg, dp, world, gpus_per_node, gpu) per stage. Required keys that
-    the plan does not read (``model.hf_path`` without a readable directory, ``task.path``) may be left out."""
-    from omegaconf import OmegaConf, open_dict
+def main(argv: list[str], **kwargs) -> int:
+    """Transitional forward to :func:`nemo_fp8rl.launcher.memory_cli.main` (``nemo-fp8rl-plan``), for
+    ``nemo_fp8rl.launch.plan_main``, which imports it from here; remove once it imports ``memory_cli``."""
+    from nemo_fp8rl.launcher.memory_cli import main as cli_main
 
-    cfg, choices = compose_launcher(overrides)
-    for key in OmegaConf.missing_keys(cfg):
-        if key.endswith("model.hf_path"):
-            OmegaConf.update(cfg, key, None, force_add=True)
-        elif key.endswith("task.path"):
-            OmegaConf.update(cfg, key, "<not read by the memory plan>", force_add=True)
-    with open_dict(cfg):
-        setting = OmegaConf.select(cfg, "launcher.memory_plan", default=True)
-        cfg.launcher.memory_plan = "off"  # the plan prints; the launcher's refusal is not wanted here
-    gpu = memory_plan_setting(setting) if setting is not True else None
-    runs = []
-    for plan in plan_stages(cfg, choices):
-        train = resolve_for_plan(plan.train)
-        runs.append((f"{plan.stage}/{plan.config_name}: {plan.world_size} ranks", train, plan.dp, plan.world_size,
-                     plan.run.gpus_per_node or 8, gpu))
-    return runs
+    return cli_main(argv, **kwargs)
 
 
 __all__ = [
-    "CPU_RECIPES", "DEVICES", "GIB", "GPUS_MIB", "GPU_RECIPES", "MemoryPlan", "ModelShape", "OPTIMIZERS",
-    "PlanError", "PlanOptions", "RolloutPlan", "StageParams", "config_optimizer", "config_recipe", "describe",
-    "format_table", "fp8_copy_bytes_per_weight", "layer_activation_bytes", "logits_bytes", "main",
-    "megatron_reference", "memory_plan_setting", "no_fix_hint", "microbatches", "model_shape", "plan_arm", "plan_config",
-    "plan_table", "report", "resolve_for_plan", "rollout_plan", "stage_activation_bytes", "stage_parameters",
-    "state_bytes", "suggest_fixes", "train_config_from_overrides", "weight_copy_bytes",
+    "CPU_RECIPES", "DEVICES", "GIB", "GPUS_MIB", "GPU_RECIPES", "MemoryPlan", "OPTIMIZERS", "PlanError",
+    "PlanOptions", "RolloutPlan", "StageParams", "config_optimizer", "config_recipe", "fp8_copy_bytes_per_weight",
+    "layer_activation_bytes", "logits_bytes", "megatron_reference", "memory_plan_setting", "microbatches",
+    "plan_arm", "plan_config", "plan_table", "rollout_plan", "rollout_share", "stage_activation_bytes",
+    "stage_parameters", "state_bytes", "suggest_fixes", "weight_copy_bytes",
 ]

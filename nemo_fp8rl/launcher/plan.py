@@ -404,28 +404,26 @@ def _scoped(msg: str, stage: str) -> str:
     return re.sub(rf"(?<![\w.])({sections})\.(?=[A-Za-z_])", rf"{stage}.\1.", msg)
 
 
-def _model_shape(train, stage: str):
-    """The model shape the ranks will build: from ``model.hf_path``'s config.json when it is readable
-    here (as the trainer resolves it), else the configured preset."""
-    model = train.model
-    registry = bool(model.hf_path) and model.hf_path.startswith("registry:")
-    if not registry and (not model.hf_path or not Path(model.hf_path).is_dir()):
-        return model  # e.g. a path that exists only inside the container: the trainer checks it at start
-    from nemo_fp8rl.models.hf import resolve_model_config
+def _resolve_model(train, stage: str):
+    """The model the ranks will build (:func:`~nemo_fp8rl.models.hf_config.resolve_readable_model_config`:
+    ``model.hf_path``'s config.json when it is readable here, a registry model fetched once as the trainer
+    would; else the configured preset, e.g. for a path that exists only inside the container, which the
+    trainer checks at start)."""
+    from nemo_fp8rl.models.hf_config import resolve_readable_model_config
 
     try:
-        return resolve_model_config(model)  # a registry model is fetched here once, as the trainer would
+        return resolve_readable_model_config(train.model)
     except (ValueError, OSError) as e:
-        raise LaunchError(f"{stage}.model.hf_path={model.hf_path!r}: {_scoped(str(e), stage)}") from None
+        raise LaunchError(f"{stage}.model.hf_path={train.model.hf_path!r}: {_scoped(str(e), stage)}") from None
 
 
-def _check_layout(run: RunSettings, train, stage: str, cluster_type: str) -> None:
+def _check_layout(run: RunSettings, train, model, stage: str, cluster_type: str) -> None:
+    """The job shape against the layout and ``model`` (the resolved ``train.model``)."""
     from nemo_fp8rl.models.parallel import validate_layout
 
     world = run.nodes * run.ntasks_per_node
     shape = (f"{stage}.run.nodes={run.nodes} x {stage}.run.ntasks_per_node={run.ntasks_per_node} = {world} "
              "processes")
-    model = _model_shape(train, stage)
     try:
         validate_layout(train.parallel, world, model)
     except ValueError as e:
@@ -446,18 +444,13 @@ def _check_layout(run: RunSettings, train, stage: str, cluster_type: str) -> Non
         )
 
 
-def _check_memory(run: RunSettings, train, stage: str, config_name: str, setting):
-    """The memory plan of a GPU stage; a layout that cannot fit stops the launch, naming knobs that fit."""
+def _check_memory(run: RunSettings, train, model, stage: str, config_name: str, setting):
+    """The memory plan of a GPU stage (``model``: the resolved ``train.model``); a layout that cannot fit
+    stops the launch, naming knobs that fit."""
     import dataclasses
 
-    from nemo_fp8rl.launcher.memory import (
-        PlanError,
-        PlanOptions,
-        memory_plan_setting,
-        no_fix_hint,
-        plan_config,
-        suggest_fixes,
-    )
+    from nemo_fp8rl.launcher.memory import PlanError, PlanOptions, memory_plan_setting, plan_config, suggest_fixes
+    from nemo_fp8rl.launcher.memory_report import no_fix_hint
 
     try:
         gpu = memory_plan_setting(setting)
@@ -467,7 +460,7 @@ def _check_memory(run: RunSettings, train, stage: str, config_name: str, setting
         return None
     world = run.nodes * run.ntasks_per_node
     tp, pp = train.parallel.tensor_model_parallel_size, train.parallel.pipeline_model_parallel_size
-    cfg = dataclasses.replace(train, model=_model_shape(train, stage))
+    cfg = dataclasses.replace(train, model=model)
     options = PlanOptions(dp=world // (tp * pp), gpu=gpu[0] or "h100", gpu_memory_gib=gpu[1])
     try:
         plan = plan_config(cfg, options)
@@ -588,8 +581,9 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
                               f"{_launcher_file(stage)}/)")
         run = _run(raw.get("run"), stage, where)
         train = _train_config(raw, stage, where, run.results_dir, compose_train)
-        _check_layout(run, train, stage, cluster_type)
-        memory = _check_memory(run, train, stage, config_name, launcher.get("memory_plan", True))
+        model = _resolve_model(train, stage)
+        _check_layout(run, train, model, stage, cluster_type)
+        memory = _check_memory(run, train, model, stage, config_name, launcher.get("memory_plan", True))
         plans.append(StagePlan(
             stage=stage, config_name=config_name, cluster_type=cluster_type, run=run, cluster=cluster,
             container=container.strip() if container else None, container_mounts=tuple(mounts),

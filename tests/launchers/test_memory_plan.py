@@ -22,7 +22,6 @@ from nemo_fp8rl.launcher.memory import (
     layer_activation_bytes,
     logits_bytes,
     megatron_reference,
-    model_shape,
     plan_arm,
     stage_parameters,
     state_bytes,
@@ -162,9 +161,9 @@ def measured():
 def test_plan_matches_a_megatron_model_trained_on_cpu(measured, name, model_kw, mb, rows, fp8, optimizer):
     cfg, plan = _cpu_plan(model_kw, mb, rows, fp8, optimizer)
     got = measured[name]
-    shape = model_shape(cfg.model, 1)
+    model = cfg.model
     # parameters: megatron's model holds exactly what the plan counts
-    assert got["params"] == stage_parameters(shape, 1, 1, 0).total
+    assert got["params"] == stage_parameters(model, 1, 1, 0).total
     assert plan.components["weights"] == 4 * got["params"]
     # Adam: two float32 moments per parameter (+ a float32 step counter per parameter tensor for torch
     # AdamW, one per parameter group for megatron's optimizer)
@@ -176,8 +175,8 @@ def test_plan_matches_a_megatron_model_trained_on_cpu(measured, name, model_kw, 
     # saved for backward (one microbatch): the plan's activations and weight copies, without the
     # logits gradient and temporaries of the backward (12 bytes per token per vocabulary entry)
     tokens = mb * cfg.model.seq_length
-    assert plan.components["logits"] == logits_bytes(shape, tokens, 1, "cpu")
-    saved_plan = (plan.components["activations"] + plan.components["weight copies"] + 8 * tokens * shape.vocab)
+    assert plan.components["logits"] == logits_bytes(model, tokens, 1, "cpu")
+    saved_plan = (plan.components["activations"] + plan.components["weight copies"] + 8 * tokens * model.padded_vocab(1))
     assert got["saved"] == pytest.approx(saved_plan, rel=0.01), (got["saved"], saved_plan)
     # peak heap of a steady-state train step
     if plan.microbatches >= 2:
@@ -192,7 +191,7 @@ def test_fp8_weight_copies_on_cpu_follow_the_emulation():
     copies = {r: _cpu_plan(MID_MODEL, 2, 4, r)[1].components["weight copies"]
               for r in (None, "delayed", "tensorwise", "blockwise", "rowwise", "mxfp8")}
     cfg = _cpu_plan(MID_MODEL, 2, 4, None)[0]
-    linear = stage_parameters(model_shape(cfg.model, 1), 1, 1, 0).fp8_linear
+    linear = stage_parameters(cfg.model, 1, 1, 0).fp8_linear
     assert copies[None] == copies["rowwise"] == copies["mxfp8"] == 0
     assert copies["delayed"] == copies["tensorwise"] == copies["blockwise"] == 4 * linear
 
@@ -200,7 +199,7 @@ def test_fp8_weight_copies_on_cpu_follow_the_emulation():
 # --------------------------------------------------------------------------- published formulas
 def _gpu_cfg(preset: str, tp: int, pp: int, dp_world: int, mb: int = 1, sp: bool = True, fp8=None):
     from nemo_fp8rl.launch import compose_train_config
-    from nemo_fp8rl.launcher.memory import train_config_from_overrides
+    from nemo_fp8rl.launcher.memory_cli import train_config_from_overrides
 
     cfg = train_config_from_overrides(
         [f"model={preset}", f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
@@ -225,13 +224,13 @@ def test_layer_activations_reproduce_korthikanti_table_2():
     parallelism and s b h (10 + 24 / t) without; both include 2 bytes of dropout masks, which our
     runs do not have (no dropout)."""
     h, tokens, t = 4096, 8192, 8
-    shape = model_shape(ModelConfig(vocab_size=32000, hidden_size=h, num_attention_heads=32, ffn_hidden_size=4 * h,
-                                    activation="gelu"), t)
-    sp = layer_activation_bytes(shape, tokens, t, scaling=None, device="gpu", sequence_parallel=True)
-    no_sp = layer_activation_bytes(shape, tokens, t, scaling=None, device="gpu", sequence_parallel=False)
+    model = ModelConfig(vocab_size=32000, hidden_size=h, num_attention_heads=32, ffn_hidden_size=4 * h,
+                        activation="gelu")
+    sp = layer_activation_bytes(model, tokens, t, scaling=None, device="gpu", sequence_parallel=True)
+    no_sp = layer_activation_bytes(model, tokens, t, scaling=None, device="gpu", sequence_parallel=False)
     assert sp == (34 - 2) * tokens * h / t
     assert no_sp == (10 - 2 + 24 / t) * tokens * h
-    fp8 = layer_activation_bytes(shape, tokens, t, scaling="tensorwise", device="gpu", sequence_parallel=True)
+    fp8 = layer_activation_bytes(model, tokens, t, scaling="tensorwise", device="gpu", sequence_parallel=True)
     assert fp8 < sp  # FP8 GEMM inputs are saved in 1 byte
 
 
@@ -243,14 +242,15 @@ def test_parameter_count_of_every_preset(preset):
 
     cfg, _ = _gpu_cfg(preset, 1, 1, 1, sp=False) if preset != "tiny" else (None, None)
     model = cfg.model if cfg else ModelConfig(vocab_size=16)
-    shape = model_shape(model, 1)
-    heads = 1 if shape.tied else 2
-    padding = (shape.vocab - model.vocab_size) * shape.hidden * heads
-    assert stage_parameters(shape, 1, 1, 0).total - padding == count_parameters(model)
+    vocab = model.padded_vocab(1)
+    heads = 1 if model.tied_embeddings else 2
+    padding = (vocab - model.vocab_size) * model.hidden_size * heads
+    assert stage_parameters(model, 1, 1, 0).total - padding == count_parameters(model)
     # TP/PP split: the stages of one replica hold everything once (a tied head twice under PP)
     pp = 2 if model.num_layers % 2 == 0 else 1
-    split = sum(stage_parameters(model_shape(model, 1), 1, pp, s).total for s in range(pp))
-    assert split == stage_parameters(shape, 1, 1, 0).total + (shape.vocab * shape.hidden if shape.tied and pp > 1 else 0)
+    split = sum(stage_parameters(model, 1, pp, s).total for s in range(pp))
+    assert split == stage_parameters(model, 1, 1, 0).total + (
+        vocab * model.hidden_size if model.tied_embeddings and pp > 1 else 0)
 
 
 @pytest.mark.parametrize("preset,tp,pp,world", [("llama3_8b", 4, 1, 8), ("qwen3_8b", 4, 1, 8),
@@ -338,8 +338,8 @@ def test_vllm_engine_reserves_its_gpu_share_and_sleeps_during_training():
     r = plan.rollout
     assert r.reserved == int(0.5 * cap) and r.sleeps
     a = cfg.algorithm
-    whole = rollout_plan(model_shape(cfg.model, 4), 1, 1, cfg.model.seq_length,
-                         a.prompts_per_step // options.dp * a.group_size, "vllm_block", r.reserved)
+    whole = rollout_plan(cfg.model, 1, 1, cfg.model.seq_length, a.prompts_per_step // options.dp * a.group_size,
+                         "vllm_block", r.reserved, vocab_rows=cfg.model.padded_vocab(4))
     assert r.weights == whole.weights and r.kv_per_sequence == whole.kv_per_sequence
     assert plan.available == cap - head  # asleep while training
     resident = plan.train_total - plan.components["activations"] - plan.components["logits"]
