@@ -5,14 +5,14 @@ Stdlib only, so that ``nemo_fp8rl.config`` and the submit-host tools can list na
 torch or a component. A registry knows the config key it serves, so every error names the key, the bad
 value and the valid choices::
 
-    POLICY_LOSSES = Registry("policy loss", "algorithm.loss_type")
+    POLICY_LOSSES = Registry("policy loss", "algorithm.policy_loss", plural="policy losses")
 
     @POLICY_LOSSES.register("ppo_clip")
     def ppo_clip_loss(...): ...
 
     POLICY_LOSSES.get("ppo_clip")   # the function
     POLICY_LOSSES.names()           # ['ppo_clip', ...]
-    POLICY_LOSSES.check("nope")     # ValueError: unknown policy loss 'nope' (config key algorithm.loss_type); ...
+    POLICY_LOSSES.check("nope")     # ValueError: unknown policy loss 'nope' (config key algorithm.policy_loss); registered policy losses: [...]
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ class Registry(Generic[T]):
     Args:
         kind: what the entries are, for messages ("policy loss", "rollout engine").
         config_key: the config key whose value is looked up here (``None`` when there is none).
+        plural: ``kind`` in the plural, for messages (default ``kind + "s"``).
     """
 
-    def __init__(self, kind: str, config_key: str | None = None):
+    def __init__(self, kind: str, config_key: str | None = None, *, plural: str | None = None):
         self.kind = kind
+        self.plural = plural or kind + "s"
         self.config_key = config_key
         self._entries: dict[str, T] = {}
         self._aliases: dict[str, str] = {}
@@ -77,7 +79,7 @@ class Registry(Generic[T]):
         """Raise ``ValueError`` naming the config key and the valid names unless ``name`` is registered."""
         if not isinstance(name, str) or (name not in self._entries and name not in self._aliases):
             key = f" (config key {self.config_key})" if self.config_key else ""
-            raise ValueError(f"unknown {self.kind} {name!r}{key}; valid: {self.names()}")
+            raise ValueError(f"unknown {self.kind} {name!r}{key}; registered {self.plural}: {self.names()}")
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and (name in self._entries or name in self._aliases)
@@ -92,9 +94,9 @@ class Registry(Generic[T]):
         return f"Registry({self.kind!r}, {self.names()})"
 
 
-def choices(kind: str, config_key: str, names: Iterable[str]) -> Registry[str]:
-    """A registry of plain string choices (modes): each name maps to itself, in the given order."""
-    reg: Registry[str] = Registry(kind, config_key)
+def choices(kind: str, config_key: str, names: Iterable[str], *, plural: str | None = None) -> Registry[str]:
+    """A registry of plain string choices (modes): each name maps to itself."""
+    reg: Registry[str] = Registry(kind, config_key, plural=plural)
     for n in names:
         reg.register(n, n)
     return reg

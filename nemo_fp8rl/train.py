@@ -33,8 +33,8 @@ def to_train_config(dict_cfg):
     """OmegaConf DictConfig (from Hydra) -> validated :class:`TrainConfig`."""
     from omegaconf import OmegaConf
 
-    from nemo_fp8rl.validation import validate
     from nemo_fp8rl.models.hf import resolve_model_config
+    from nemo_fp8rl.validation import validate
 
     cfg = OmegaConf.to_object(dict_cfg)
     # model.hf_path fills the shape from config.json before validation checks the parallel layout
@@ -65,12 +65,16 @@ def prepare(cfg):
     if cfg.trainer.cpu_threads and not torch.cuda.is_available():
         torch.set_num_threads(cfg.trainer.cpu_threads)
     trainer = RLTrainer(cfg)
-    # One decision for all ranks (rank 0 looks, everyone follows) before anything is written.
-    resuming = trainer.decide_start() is not None
-    warm = None if resuming else run_warmup(cfg, trainer.model_cfg, trainer.task)
-    trainer.setup(warm_start=warm)
-    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-        write_resolved_config(cfg, cfg.output_dir)
+    try:
+        # One decision for all ranks (rank 0 looks, everyone follows) before anything is written.
+        resuming = trainer.decide_start() is not None
+        warm = None if resuming else run_warmup(cfg, trainer.model_cfg, trainer.task)
+        trainer.setup(warm_start=warm)
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            write_resolved_config(cfg, cfg.output_dir)
+    except BaseException:
+        trainer.close()  # the engine, reward workers and signal handlers of a run that never started
+        raise
     return trainer
 
 

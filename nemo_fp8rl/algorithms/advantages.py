@@ -14,42 +14,31 @@ from typing import Protocol
 import torch
 
 from nemo_fp8rl.algorithms._common import check_number
+from nemo_fp8rl.registry import Registry
 
 
 class AdvantageEstimator(Protocol):
     def __call__(self, rewards: torch.Tensor, group_size: int, **kwargs: object) -> torch.Tensor: ...
 
 
-_ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.adv_estimator")
 
 
 def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator registering an advantage estimator under ``name``; a second registration raises."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"advantage estimator name must be a non-empty string, got {name!r}")
-
-    def deco(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in _ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered; choose another name")
-        _ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+    return ADVANTAGE_ESTIMATORS.register(name)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """Look up an advantage estimator; unknown names raise ValueError listing the valid ones."""
-    try:
-        return _ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid names: {sorted(_ADVANTAGE_ESTIMATORS)}"
-        ) from None
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def list_advantage_estimators() -> list[str]:
     """Names of all registered advantage estimators, sorted."""
-    return sorted(_ADVANTAGE_ESTIMATORS)
+    return ADVANTAGE_ESTIMATORS.names()
 
 
 def group_rewards(rewards: torch.Tensor, group_size: int, *, min_group_size: int = 1) -> torch.Tensor:

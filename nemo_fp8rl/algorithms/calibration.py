@@ -1,9 +1,9 @@
-"""Calibrated Clipping: clip bounds that make FP8 clip what BF16 would have clipped (DESIGN.md section 4).
+"""Calibrated Clipping: clip bounds that make FP8 clip what BF16 would have clipped (docs/design.md, "Calibrated Clipping").
 
 Why: PPO-style clipping zeroes the gradient of a negative-advantage token when r_t < L. FP8 log-prob
-noise (std ~0.2 per token on our toy stack vs ~0.014 for BF16) spreads the ratios r_t, so with the
+noise (std ~0.22 per token on our toy stack vs ~0.014 for BF16) spreads the ratios r_t, so with the
 nominal L = 1 - eps_low many more tokens fall below L than with BF16 ratios on the same tokens: the
-update loses much of its negative mass (the prototype saw 0.095-0.106 clipped vs 0.046 for FP32).
+update loses much of its negative mass (the CPU prototype measured 0.095-0.106 clipped vs 0.046 for FP32; docs/fp8-noise.md).
 Calibrated Clipping (arXiv 2609.22870) measures, on a calibration step, the high-precision ratios
 rho_t = exp(hp_logp_t - hp_old_logp_t) of a BF16 shadow forward on the same tokens, and picks bounds
 for the FP8 ratios r_t that reproduce BF16's clipping statistics:
@@ -27,8 +27,10 @@ import torch
 
 from nemo_fp8rl.algorithms._common import as_bool_mask, check_number, expand_advantages
 from nemo_fp8rl.algorithms.metrics import Metric, make_metric
+from nemo_fp8rl.registry import choices
 
-UPPER_MODES = ("balance", "quantile", "proportional", "fixed")
+UPPER_MODES = choices("calibration upper mode", "calibration.upper_mode", ("balance", "quantile", "proportional", "fixed"))
+"""How the calibrated upper bound is set (``calibration.upper_mode``; module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +75,7 @@ def _check_config(
     )
     if el >= 1.0:
         raise ValueError(f"eps_low must be < 1 so that 1 - eps_low > 0, got {el}")
-    if upper_mode not in UPPER_MODES:
-        raise ValueError(f"unknown upper_mode {upper_mode!r}; valid modes: {list(UPPER_MODES)}")
+    UPPER_MODES.check(upper_mode)
     lmin = check_number("lower_min", lower_min, low=0.0, low_open=True)
     if lmin > 1.0 - el:
         raise ValueError(
@@ -174,7 +175,7 @@ def calibrate_bounds(
     upper_max: float = 3.0,
     min_tokens: int = 64,
 ) -> CalibrationResult:
-    """Calibrated clip bounds for FP8 ratios from BF16 shadow ratios (arXiv 2609.22870; DESIGN.md sec. 4).
+    """Calibrated clip bounds for FP8 ratios from BF16 shadow ratios (arXiv 2609.22870; docs/design.md).
 
     Inputs are the tokens of a calibration step: ``ratio`` r_t = exp(logp - old_logp) from the FP8
     trainer and ``ref_ratio`` rho_t = exp(hp_logp - hp_old_logp) from the BF16 shadow forwards of the same
@@ -504,7 +505,7 @@ class CalibratedClipping:
     def update(self, step: int, group=None) -> dict[str, Metric]:
         """Calibrate from the observed tokens (all-gathered over ``group``), smooth, and clear the buffer.
 
-        Every rank of ``group`` must call this. Returns the ``calib/*`` metrics of DESIGN.md section 4:
+        Every rank of ``group`` must call this. Returns the ``calib/*`` metrics of docs/design.md, "Calibrated Clipping":
         ``calib/{alpha_bf16, alpha_fp8_nominal, false_clip_rate, lower_raw, upper_raw, balance_bf16,
         balance_fp8, balance_fp8_nominal, tokens, skipped}`` (identical on every rank, reduction "mean").
         ``calib/skipped`` is 1 when too few tokens were seen (bounds kept).

@@ -1,6 +1,6 @@
 """Policy-gradient losses (registry, one signature), loss aggregation, KL penalty, entropy.
 
-Notation (DESIGN.md section 3), per response token t of shape ``[batch, seq]``:
+Notation (docs/design.md, "RL math"), per response token t of shape ``[batch, seq]``:
 ``logp`` = log pi_theta(y_t) from the trainer now, ``old_logp`` = the same at the start of the step,
 advantage A_t, mask m_t, ratio r_t = exp(logp_t - old_logp_t).
 
@@ -45,6 +45,7 @@ from nemo_fp8rl.algorithms._common import (
     upcast,
 )
 from nemo_fp8rl.algorithms.metrics import Metric
+from nemo_fp8rl.registry import Registry
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
@@ -71,34 +72,24 @@ class PolicyLossFn(Protocol):
     ) -> tuple[torch.Tensor, dict[str, Metric]]: ...
 
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "algorithm.policy_loss", plural="policy losses")
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name``; registering a name twice raises ValueError."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"policy loss name must be a non-empty string, got {name!r}")
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered; choose another name")
-        _POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+    return POLICY_LOSSES.register(name)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """Look up a registered policy loss; unknown names raise ValueError listing the valid ones."""
-    try:
-        return _POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; valid names: {sorted(_POLICY_LOSSES)}") from None
+    return POLICY_LOSSES.get(name)
 
 
 def list_policy_losses() -> list[str]:
     """Names of all registered policy losses, sorted."""
-    return sorted(_POLICY_LOSSES)
+    return POLICY_LOSSES.names()
 
 
 # ---------------------------------------------------------------------------------------------------

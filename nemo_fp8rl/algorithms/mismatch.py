@@ -59,7 +59,7 @@ def mismatch_metrics(
 
 
 class EntropySurgeMonitor:
-    """Flags an entropy surge against a lagged baseline that does not follow the surge (DESIGN.md section 7).
+    """Flags an entropy surge against a lagged baseline that does not follow the surge (docs/design.md, "One training step").
 
     With h_t the mean token entropy of step t (t = 0, 1, ...) and w = ``window``, the baseline is the
     median of the steps that end ``w`` steps before t::
@@ -68,8 +68,8 @@ class EntropySurgeMonitor:
         stability/entropy_ratio = h_t / B_t
         stability/entropy_surge = 1 if (h_t > factor * B_t and h_t - B_t > min_rise) else 0
 
-    From t = 2w on this is the median of steps [t - 2w, t - w), as DESIGN.md writes it. For a younger run
-    DESIGN.md says "the first window"; taken literally ([0, min(t, w)) while t < 2w) that baseline holds
+    From t = 2w on this is the median of steps [t - 2w, t - w), as docs/design.md writes it. For a younger run
+    the design says "the first window"; taken literally ([0, min(t, w)) while t < 2w) that baseline holds
     the steps just before t and follows a surge that starts early - the study's lr 1e-3 collapse jumped
     at step 1 and would never be flagged. Here the same lag applies from the start, clipped at step 0:
     while t <= w the baseline is step 0 alone, then it grows over the first steps to w values at t = 2w.

@@ -3,7 +3,7 @@
 The rollout engine (FP8 scheme of its own, other kernels) and the trainer disagree on log-probs even at
 identical weights, so the tokens are sampled from pi_rollout while the loss assumes pi_old. The
 per-token importance ratio is rho_is_t = exp(old_logp_t - rollout_logp_t) = pi_old / pi_rollout.
-Modes (applied as a detached per-token weight on the policy loss, DESIGN.md section 3):
+Modes (applied as a detached per-token weight on the policy loss, docs/design.md, "RL math"):
 
 - ``tis``: truncated importance sampling, w_t = min(rho_is_t, C), C = ``cap`` = 2 by default
   (Yao et al., "Your efficient RL framework secretly brings you off-policy RL training", FlashRL, 2025).
@@ -33,8 +33,10 @@ from nemo_fp8rl.algorithms._common import (
 )
 from nemo_fp8rl.algorithms.losses import LOG_RATIO_CLAMP
 from nemo_fp8rl.algorithms.metrics import Metric
+from nemo_fp8rl.registry import choices
 
-ROLLOUT_CORRECTION_MODES = ("tis", "icepop", "is", "none")
+ROLLOUT_CORRECTION_MODES = choices("rollout-correction mode", "algorithm.rollout_correction", ("tis", "icepop", "is", "none"))
+"""The modes of :func:`rollout_correction` (``algorithm.rollout_correction``)."""
 
 
 def rollout_correction(
@@ -69,10 +71,7 @@ def rollout_correction(
     check_2d("old_logp", old_logp)
     check_same_shape("old_logp", old_logp, rollout_logp=rollout_logp)
     m = as_bool_mask(mask, old_logp)
-    if mode not in ROLLOUT_CORRECTION_MODES:
-        raise ValueError(
-            f"unknown rollout correction mode {mode!r}; valid modes: {list(ROLLOUT_CORRECTION_MODES)}"
-        )
+    ROLLOUT_CORRECTION_MODES.check(mode)
     with torch.no_grad():
         diff = torch.where(m, upcast(old_logp.detach()) - upcast(rollout_logp.detach()), torch.zeros(()))
         is_ratio = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()

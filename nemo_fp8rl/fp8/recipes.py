@@ -29,10 +29,12 @@ E5M2 for output gradients.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from nemo_fp8rl.fp8.formats import E4M3, E5M2, Fp8Format
+from nemo_fp8rl.registry import Registry
 
 SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 ROLES = ("input", "weight", "grad_output")
@@ -178,25 +180,19 @@ class Fp8Recipe:
         return {}
 
 
-_RECIPES: Dict[str, Fp8Recipe] = {}
-_ALIASES: Dict[str, str] = {}
+RECIPES: Registry[Fp8Recipe] = Registry("FP8 recipe", "fp8.recipe")
+"""The FP8 recipes by name, with their Megatron-Bridge aliases."""
 
 
 def register_fp8_recipe(name: str, recipe: Fp8Recipe, *, aliases: tuple = ()) -> Fp8Recipe:
     """Register ``recipe`` under ``name`` (and ``aliases``). Re-registering a name raises."""
-    for n in (name, *aliases):
-        if n in _RECIPES or n in _ALIASES:
-            raise ValueError(f"FP8 recipe name {n!r} is already registered; pick another name")
-    _RECIPES[name] = recipe
-    for a in aliases:
-        _ALIASES[a] = name
-    return recipe
+    return RECIPES.register(name, recipe, aliases=aliases)
 
 
 def list_recipes(include_aliases: bool = False) -> List[str]:
-    """Registered recipe names (sorted), optionally with their aliases."""
-    names = sorted(_RECIPES)
-    return names + sorted(_ALIASES) if include_aliases else names
+    """Registered recipe names (sorted), optionally followed by their aliases (sorted)."""
+    names = RECIPES.names()
+    return names + sorted(set(RECIPES.names(include_aliases=True)) - set(names)) if include_aliases else names
 
 
 def get_recipe(name: "str | Fp8Recipe", **overrides) -> Fp8Recipe:
@@ -206,13 +202,11 @@ def get_recipe(name: "str | Fp8Recipe", **overrides) -> Fp8Recipe:
     """
     if isinstance(name, Fp8Recipe):
         return name.replace(**overrides) if overrides else name
-    key = _ALIASES.get(name, name)
-    if key not in _RECIPES:
-        raise ValueError(
-            f"unknown FP8 recipe {name!r}; valid recipes: {list_recipes()} "
-            f"(Megatron-Bridge aliases: {sorted(_ALIASES)})"
-        )
-    recipe = _RECIPES[key]
+    if name not in RECIPES:
+        aliases = sorted(set(RECIPES.names(include_aliases=True)) - set(RECIPES.names()))
+        raise ValueError(f"unknown FP8 recipe {name!r}; valid recipes: {list_recipes()} "
+                         f"(Megatron-Bridge aliases: {aliases})")
+    recipe = RECIPES.get(name)
     return recipe.replace(**overrides) if overrides else recipe
 
 
@@ -239,3 +233,46 @@ def resolve_recipe(name: Optional[str], **overrides) -> Optional[Fp8Recipe]:
     if name is None or name == "off":
         return None
     return get_recipe(name, **overrides)
+
+
+# ---------------------------------------------------------------------------- from a TrainConfig
+def _fp8_keys(msg: str) -> str:
+    """A recipe error names recipe fields (``first_last_layers_bf16``); a config error must name the
+    config key the user sets (``fp8.first_last_layers_bf16``). ``recipe`` itself is left alone: the
+    recipe's messages start with "fp8 recipe 'name':"."""
+    from nemo_fp8rl.config.schema import Fp8Config
+
+    names = sorted((f.name for f in dataclasses.fields(Fp8Config) if f.name != "recipe"), key=len, reverse=True)
+    return re.sub(r"(?<![\w.])(" + "|".join(names) + r")\b", r"fp8.\1", msg)
+
+
+def build_fp8_recipe(cfg) -> Optional[Fp8Recipe]:
+    """The training :class:`Fp8Recipe` from a :class:`~nemo_fp8rl.config.schema.TrainConfig`'s ``fp8``
+    group (the named recipe with the group's field overrides); None when FP8 is off."""
+    f = cfg.fp8
+    overrides = dict(
+        amax_history_len=f.amax_history_len, amax_compute_algo=f.amax_compute_algo, margin=f.margin,
+        accumulation=f.accumulation, first_last_layers_bf16=f.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=f.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=f.num_layers_at_end_in_bf16,
+    )
+    if f.fp8_format is not None:
+        overrides["fp8_format"] = f.fp8_format
+    if f.pow2_scales is not None:
+        overrides["pow2_scales"] = f.pow2_scales
+    return resolve_recipe(f.recipe, **overrides)
+
+
+def check_fp8_config(cfg) -> None:
+    """``fp8.recipe`` names a registered recipe (or alias, or off) and the ``fp8`` group's overrides
+    build a valid recipe from it; raises :class:`~nemo_fp8rl.config.schema.ConfigError` naming the key."""
+    from nemo_fp8rl.config.schema import ConfigError
+
+    if cfg.fp8.recipe is None or cfg.fp8.recipe == "off":
+        return
+    if cfg.fp8.recipe not in RECIPES:
+        raise ConfigError(f"fp8.recipe={cfg.fp8.recipe!r} is unknown; valid: {list_recipes()} or fp8=off")
+    try:
+        build_fp8_recipe(cfg)
+    except ValueError as e:
+        raise ConfigError(_fp8_keys(str(e))) from None

@@ -348,7 +348,7 @@ class ClippedPGLossFn:
             defaults are :data:`CONFIG_DEFAULTS`; unknown keys raise (typos would otherwise be silent).
             One key of ours, ``calibration``: a mapping of :class:`CalibratedClipping` arguments other than
             ``eps_low``/``eps_high`` (taken from ``ratio_clip_min``/``ratio_clip_max``), or ``false`` to
-            turn Calibrated Clipping off. Absent: a controller with the defaults of DESIGN.md section 4
+            turn Calibrated Clipping off. Absent: a controller with the defaults of docs/design.md, "Calibrated Clipping"
             (bounds nominal until the first ``calibration.update``). GSPO, REINFORCE and
             ``force_on_policy_ratio`` do not clip token ratios, so they get no controller.
         use_fused_linear_logprobs: as NeMo RL's (read by its ``prepare_loss_input``).

@@ -599,7 +599,7 @@ def rollout_share(cfg, options: PlanOptions) -> Optional[float]:
 
 def config_recipe(cfg) -> Optional[str]:
     """The config's own FP8 recipe, canonical name (aliases resolved), or None for BF16."""
-    from nemo_fp8rl.config.schema import build_fp8_recipe
+    from nemo_fp8rl.fp8.recipes import build_fp8_recipe
 
     recipe = build_fp8_recipe(cfg)
     return None if recipe is None else recipe.scaling

@@ -389,7 +389,7 @@ def _recipe_env(train, user_keys: set) -> tuple[tuple[str, str], ...]:
     """Environment the stage's FP8 recipe needs before Transformer Engine is imported (blockwise scale
     type: TE reads ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` once, at import). A variable set in
     ``env_vars`` wins; the trainer refuses a mismatch with the recipe when it builds the model."""
-    from nemo_fp8rl.config.schema import build_fp8_recipe
+    from nemo_fp8rl.fp8.recipes import build_fp8_recipe
 
     recipe = build_fp8_recipe(train)
     env = recipe.te_env() if recipe is not None else {}

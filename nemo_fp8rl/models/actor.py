@@ -362,6 +362,17 @@ class FP8Actor:
             dist.all_reduce(sq, group=self.mp_group)
         return sq.sqrt().float()
 
+    def broadcast_object_from_last_stage(self, obj):
+        """``obj`` of the last pipeline stage, on every stage of this rank's pipeline (a collective of the
+        pipeline group; a picklable object; other stages' ``obj`` is ignored). ``obj`` itself when PP = 1."""
+        if self.pp_size == 1:
+            return obj
+        from nemo_fp8rl.models.parallel import comm_device
+
+        payload = [obj]
+        dist.broadcast_object_list(payload, src=self._pp_last_global, group=self.pp_group, device=comm_device())
+        return payload[0]
+
     def _broadcast_metrics(self, metrics: Optional[dict[str, Metric]]) -> dict[str, Metric]:
         if self.pp_size == 1:
             return metrics

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from nemo_fp8rl.algorithms.metrics import Metric, make_metric
+from nemo_fp8rl.registry import Registry
 from nemo_fp8rl.tasks.reward_runner import RewardRunner
 
 if TYPE_CHECKING:
@@ -303,19 +304,12 @@ class Task(ABC):
                 f"(reshard_seed)")
 
 
-_TASKS: dict[str, Callable[..., Task]] = {}
+TASKS: Registry[Callable[..., Task]] = Registry("task", "task.name")
 
 
 def register_task(name: str) -> Callable[[type], type]:
     """Class decorator: register a task under ``name`` (re-registering a name raises)."""
-
-    def deco(cls: type) -> type:
-        if name in _TASKS:
-            raise ValueError(f"task {name!r} is already registered ({_TASKS[name]!r})")
-        _TASKS[name] = cls
-        return cls
-
-    return deco
+    return TASKS.register(name)
 
 
 def _load_builtin_tasks() -> None:
@@ -327,15 +321,13 @@ def _load_builtin_tasks() -> None:
 def task_names() -> list[str]:
     """Names accepted by :func:`get_task`."""
     _load_builtin_tasks()
-    return sorted(_TASKS)
+    return TASKS.names()
 
 
 def task_class(name: str) -> type:
     """The class registered as ``name`` (for inspecting its constructor's keys); unknown names raise."""
     _load_builtin_tasks()
-    if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r} (config key task.name); registered tasks: {sorted(_TASKS)}")
-    return _TASKS[name]  # type: ignore[return-value]
+    return TASKS.get(name)  # type: ignore[return-value]
 
 
 def task_kwargs(cfg: "TrainConfig", factory, seed: int, dp_rank: int = 0, dp_size: int = 1) -> dict:

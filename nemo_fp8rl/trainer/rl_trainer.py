@@ -1,6 +1,6 @@
 """The RL loop (GRPO / DAPO / PPO presets) with FP8 rollout and training and Calibrated Clipping.
 
-One step (DESIGN.md section 7), in the order :meth:`RLTrainer.step` runs it:
+One step (docs/design.md, "One training step"), in the order :meth:`RLTrainer.step` runs it:
 
 1. rollout: sync weights to the rollout engine (re-quantized for its FP8 scheme), sample
    ``group_size`` responses per prompt and record ``rollout_logp``;
@@ -47,9 +47,11 @@ from nemo_fp8rl.algorithms import (
     reduce_metrics,
     rollout_correction,
 )
-from nemo_fp8rl.config.schema import TrainConfig, build_fp8_recipe
+from nemo_fp8rl.config.schema import TrainConfig
+from nemo_fp8rl.fp8.recipes import build_fp8_recipe
 from nemo_fp8rl.validation import validate
 from nemo_fp8rl.fp8 import collect_fp8_stats
+from nemo_fp8rl.trainer.calibration_pass import make_calibration_pass
 from nemo_fp8rl.trainer.checkpoint import CheckpointManager
 from nemo_fp8rl.trainer.logger import MetricsLogger
 
@@ -81,7 +83,7 @@ class RLTrainer:
 
         from nemo_fp8rl.models import build_actor, init_distributed
         from nemo_fp8rl.models.hf import load_hf_policy, resolve_model_config
-        from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
+        from nemo_fp8rl.rollout import SamplingParams
         from nemo_fp8rl.tasks import get_task, task_class, task_kwargs
 
         cfg.model = resolve_model_config(cfg.model)  # model.hf_path: shape from config.json
@@ -124,48 +126,7 @@ class RLTrainer:
                 f"{self.actor.dp_size}"
             )
         self.local_prompts = a.prompts_per_step // self.actor.dp_size
-        # The bf16 arm is high precision end to end: no FP8 in the rollout either.
-        scheme = cfg.rollout.fp8.scheme if self.recipe is not None else "off"
-        # Who generates what (_engine_generate). A replica's M model-parallel ranks hold M / T rollout
-        # engines (T = rollout.tensor_parallel_size; vLLM groups T consecutive global ranks, which must lie
-        # in one replica: checked here on every rank alike, before the engine build, which is collective).
-        split = cfg.rollout.split_prompts if cfg.rollout.split_prompts is not None else cfg.rollout.engine != "torch"
-        mp_size = dist.get_world_size(self.actor.mp_group) if dist.is_initialized() else 1
-        rollout_tp = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
-        share, n_shares, leader = (dist.get_rank(self.actor.mp_group) if dist.is_initialized() else 0), mp_size, True
-        if rollout_tp > 1:
-            from nemo_fp8rl.config.schema import ConfigError
-            from nemo_fp8rl.rollout.vllm_engine import rollout_share_layout
-
-            replicas: list = [None] * dist.get_world_size()
-            dist.all_gather_object(replicas, dist.get_process_group_ranks(self.actor.mp_group))
-            try:
-                share, n_shares, leader = rollout_share_layout(replicas, dist.get_rank(), rollout_tp)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        engine_kw = {}
-        if cfg.rollout.engine == "torch":
-            # the in-process engine lives where the actor does; on a GPU whose trainer runs real FP8
-            # (fp8.backend torch or te) its FP8 schemes use torch's FP8 GEMMs too
-            real = self.actor.fp8_backend in ("torch", "te") and self.actor.device.type == "cuda"
-            engine_kw = {"device": self.actor.device, "fp8_gemm": "torch" if real else "emulate"}
-        self.engine = get_rollout_engine(
-            cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
-            eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None), options=cfg.rollout,
-            **engine_kw,
-        )
-        if rollout_tp > 1:
-            block = dist.get_rank() - dist.get_rank() % rollout_tp
-            if list(self.engine.tp_group_ranks) != list(range(block, block + rollout_tp)):
-                raise RuntimeError(f"vLLM formed the tensor-parallel group {self.engine.tp_group_ranks} for rank "
-                                   f"{dist.get_rank()}, not the consecutive ranks the rollout split assumes")
-        # (group, share, shares, leader): this rank's engine generates share `share` of `shares`; the
-        # leaders' (first rank of each vLLM group) shares are gathered over the replica.
-        self._split = (self.actor.mp_group, share, n_shares, leader) if split and mp_size > 1 else None
-        if self._split is not None:
-            logger.info("rollout: each of the %d rollout engines (rollout.tensor_parallel_size=%d) of a replica's %d "
-                        "model-parallel ranks generates 1/%d of its batch (rollout.split_prompts)",
-                        n_shares, rollout_tp, mp_size, n_shares)
+        self.engine, self._split = self._build_engine(tok)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             max_new_tokens=cfg.rollout.max_new_tokens, stop_on_eos=cfg.rollout.stop_on_eos,
@@ -181,6 +142,7 @@ class RLTrainer:
                 start_step=c.start_step, init_lower=c.init_lower, init_upper=c.init_upper, apply=c.apply,
                 seed=cfg.seed,
             )
+        self.calibration = make_calibration_pass(self.calibrator, self.actor, cfg.rollout.temperature)
         self.monitor = EntropySurgeMonitor(window=cfg.stability.window, factor=cfg.stability.surge_factor,
                                            min_rise=cfg.stability.surge_min_rise)
         # Every random draw of the loop comes from these generators (saved in checkpoints): resume is exact.
@@ -207,6 +169,57 @@ class RLTrainer:
         self.logger: Optional[MetricsLogger] = None
         self._samples_written = -1  # the last step whose generations went to samples.jsonl (logger.samples)
         self._log_file: Optional[logging.Handler] = None
+
+    def _build_engine(self, tok):
+        """The rollout engine (collective: every rank builds its share of it) and the rollout split
+        ``(group, share, shares, leader)`` of :meth:`_engine_generate`, or None when every rank generates
+        the whole batch."""
+        from nemo_fp8rl.rollout import get_rollout_engine
+
+        cfg = self.cfg
+        # The bf16 arm is high precision end to end: no FP8 in the rollout either.
+        scheme = cfg.rollout.fp8.scheme if self.recipe is not None else "off"
+        # Who generates what (_engine_generate). A replica's M model-parallel ranks hold M / T rollout
+        # engines (T = rollout.tensor_parallel_size; vLLM groups T consecutive global ranks, which must lie
+        # in one replica: checked here on every rank alike, before the engine build, which is collective).
+        split = cfg.rollout.splits_prompts
+        mp_size = dist.get_world_size(self.actor.mp_group) if dist.is_initialized() else 1
+        rollout_tp = cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+        share, n_shares, leader = (dist.get_rank(self.actor.mp_group) if dist.is_initialized() else 0), mp_size, True
+        if rollout_tp > 1:
+            from nemo_fp8rl.config.schema import ConfigError
+            from nemo_fp8rl.rollout.vllm_spmd import rollout_share_layout
+
+            replicas: list = [None] * dist.get_world_size()
+            dist.all_gather_object(replicas, dist.get_process_group_ranks(self.actor.mp_group))
+            try:
+                share, n_shares, leader = rollout_share_layout(replicas, dist.get_rank(), rollout_tp)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        engine_kw = {}
+        if cfg.rollout.engine == "torch":
+            # the in-process engine lives where the actor does; on a GPU whose trainer runs real FP8
+            # (fp8.backend torch or te) its FP8 schemes use torch's FP8 GEMMs too
+            real = self.actor.fp8_backend in ("torch", "te") and self.actor.device.type == "cuda"
+            engine_kw = {"device": self.actor.device, "fp8_gemm": "torch" if real else "emulate"}
+        engine = get_rollout_engine(
+            cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
+            eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None), options=cfg.rollout,
+            **engine_kw,
+        )
+        if rollout_tp > 1:
+            block = dist.get_rank() - dist.get_rank() % rollout_tp
+            if list(engine.tp_group_ranks) != list(range(block, block + rollout_tp)):
+                raise RuntimeError(f"vLLM formed the tensor-parallel group {engine.tp_group_ranks} for rank "
+                                   f"{dist.get_rank()}, not the consecutive ranks the rollout split assumes")
+        # (group, share, shares, leader): this rank's engine generates share `share` of `shares`; the
+        # leaders' (first rank of each vLLM group) shares are gathered over the replica.
+        split_share = (self.actor.mp_group, share, n_shares, leader) if split and mp_size > 1 else None
+        if split_share is not None:
+            logger.info("rollout: each of the %d rollout engines (rollout.tensor_parallel_size=%d) of a replica's %d "
+                        "model-parallel ranks generates 1/%d of its batch (rollout.split_prompts)",
+                        n_shares, rollout_tp, mp_size, n_shares)
+        return engine, split_share
 
     # ------------------------------------------------------------------ setup
     def check_run_dir(self) -> None:
@@ -363,10 +376,10 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> Dict[str, float]:
-        cfg, a = self.cfg, self.cfg.algorithm
-        step = self.step_idx
-        calibrating = self.calibrator is not None and self.calibrator.should_calibrate(step)
-        T = cfg.rollout.temperature
+        """One RL step (docs/design.md, "One training step"): rollout, rewards and advantages; old, shadow and reference
+        log-probs; minibatch updates with the clip bounds in force; the calibration update; metrics."""
+        a = self.cfg.algorithm
+        self.calibration.begin(self.step_idx)
         timings: Dict[str, float] = {}
         t_step = time.perf_counter()
 
@@ -376,84 +389,40 @@ class RLTrainer:
                 # streamed layer by layer (TP-gathered, PP-broadcast): never a full copy of the model per rank
                 self.engine.update_weights(self.actor.iter_weights())
             batch, scores, rewards, adv, ds_metrics = self._rollout()
-            sleep = getattr(self.engine, "sleep", None)
-            if callable(sleep):  # a colocated GPU engine frees its memory for training (the next sync wakes it)
-                sleep()
-        tokens, mask = batch.tokens, batch.mask.float()
-        B = tokens.shape[0]
-        token_adv = adv.view(-1, 1).float() * mask
+            self.engine.sleep()  # a colocated GPU engine frees its memory for training (the next sync wakes it)
+        mask = batch.mask.float()
+        rollout_logp = batch.rollout_logp.float() * mask
 
         # 4: old / shadow / reference log-probs, rollout correction
         with _timed(timings, "logprobs"):
             if a.old_logprobs == "recompute":
-                old_logp, _ = self.actor.get_logprobs(tokens, temperature=T)
-                old_logp = old_logp * mask
+                old_logp = self.actor.get_logprobs(batch.tokens, temperature=self.cfg.rollout.temperature)[0] * mask
             else:
-                old_logp = batch.rollout_logp.float() * mask
-            ref_logp = self.actor.get_reference_logprobs(tokens, temperature=T)[0] if a.kl_coef > 0 else None
-        hp_old = None
-        if calibrating:
-            with _timed(timings, "shadow"):
-                hp_old = self.actor.get_shadow_logprobs(tokens, temperature=T)[0] * mask
-        rc_kw = {"cap": a.tis_cap} if a.rollout_correction == "tis" else (
-            {"lo": a.icepop_low, "hi": a.icepop_high} if a.rollout_correction == "icepop" else {})
-        weights, rc_metrics = rollout_correction(old_logp, batch.rollout_logp.float() * mask, mask,
-                                                 mode=a.rollout_correction, **rc_kw)
-
-        data = {"tokens": tokens, "mask": mask, "advantages": token_adv, "old_logp": old_logp,
-                "weights": weights.detach(), "rollout_logp": batch.rollout_logp.float() * mask}
+                old_logp = rollout_logp
+            ref_logp = self.actor.get_reference_logprobs(batch.tokens, temperature=self.cfg.rollout.temperature)[0] \
+                if a.kl_coef > 0 else None
+        hp_old = self.calibration.shadow_old_logprobs(batch.tokens, mask)
+        weights, rc_metrics = rollout_correction(old_logp, rollout_logp, mask, mode=a.rollout_correction,
+                                                 **self._rollout_correction_kw())
+        data = {"tokens": batch.tokens, "mask": mask, "advantages": adv.view(-1, 1).float() * mask,
+                "old_logp": old_logp, "weights": weights.detach(), "rollout_logp": rollout_logp}
         if ref_logp is not None:
             data["ref_logp"] = ref_logp * mask
         if hp_old is not None:
             data["hp_old_logp"] = hp_old
 
         # 5: minibatch updates with the bounds in force
-        lower, upper = self.calibrator.bounds if (self.calibrator is not None and self.calibrator.apply) else (
-            1.0 - a.eps_low, 1.0 + a.eps_high)
-        mb_metrics, shadow_time = [], 0.0
-        n_mb = a.minibatches_per_step
-        mb_size = B // n_mb
-        t_train = time.perf_counter()
-        for _epoch in range(a.epochs):
-            perm = torch.randperm(B, generator=self.shuffle_gen)
-            for j in range(n_mb):
-                idx = perm[j * mb_size:(j + 1) * mb_size] if j < n_mb - 1 else perm[j * mb_size:]
-                mb = {k: v[idx] for k, v in data.items()}
-                if calibrating:
-                    t0 = time.perf_counter()
-                    hp_logp = self.actor.get_shadow_logprobs(mb["tokens"], temperature=T)[0]
-                    mb["ref_ratio"] = torch.exp((hp_logp - mb["hp_old_logp"]) * mb["mask"])
-                    shadow_time += time.perf_counter() - t0
-                first = _epoch == 0 and j == 0
-                mb_metrics.append(self.actor.train_step(
-                    mb, self._make_loss(lower, upper, calibrating, step, first), temperature=T))
-        timings["shadow"] = timings.get("shadow", 0.0) + shadow_time
-        timings["train"] = time.perf_counter() - t_train - shadow_time
+        lower, upper = self.calibration.bounds(1.0 - a.eps_low, 1.0 + a.eps_high)
+        shadow_before, t_train = self.calibration.shadow_s, time.perf_counter()
+        mb_metrics = self._update(data, lower, upper)
+        minibatch_shadow = self.calibration.shadow_s - shadow_before
+        timings["shadow"] = timings.get("shadow", 0.0) + self.calibration.shadow_s
+        timings["train"] = time.perf_counter() - t_train - minibatch_shadow
 
         # 6: calibration update (bounds apply from the next step)
-        calib_metrics = {}
-        if calibrating:
-            calib_metrics = self.calibrator.update(step, group=self.actor.dp_group)
-            if self.actor.pp_size > 1:
-                # Only the last pipeline stage sees log-probs, so only its calibrator observed tokens: every
-                # stage takes its state and metrics (rank 0 logs them; any rank's state may be checkpointed).
-                from nemo_fp8rl.models.parallel import comm_device
-
-                payload = [(self.calibrator.state_dict(),
-                            {k: (float(v), r) for k, (v, r) in calib_metrics.items()})]
-                dist.broadcast_object_list(payload, src=self.actor._pp_last_global, group=self.actor.pp_group,
-                                           device=comm_device())
-                self.calibrator.load_state_dict(payload[0][0])
-                calib_metrics = {k: make_metric(torch.tensor(v), r) for k, (v, r) in payload[0][1].items()}
+        calib_metrics = self.calibration.finish()
 
         # 7: metrics
-        # "sum" metrics are sums over the microbatches of one minibatch (shares of the minibatch
-        # value); across the step's minibatches they are averaged.
-        train_m = reduce_metrics([{k: (v, "mean" if r == "sum" else r) for k, (v, r) in m.items()}
-                                  for m in mb_metrics])
-        skipped = float(train_m.get("train/skipped", (torch.tensor(0.0), "max"))[0])
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped > 0 else 0
-        self.skipped_total += int(skipped > 0)
         local: Dict = {
             "reward/mean": make_metric(scores.rewards.mean(), "mean"),
             "reward/shaped_mean": make_metric(rewards.mean(), "mean"),
@@ -468,13 +437,56 @@ class RLTrainer:
             local["data/skipped_rows"] = make_metric(torch.tensor(float(self.task.skipped_rows)), "max")  # same file on every rank
         local.update(rc_metrics)
         if a.old_logprobs == "recompute":
-            local.update(mismatch_metrics(old_logp, batch.rollout_logp.float() * mask, mask, hp_old_logp=hp_old))
-        fp8_stats = collect_fp8_stats(self.actor.model)
+            local.update(mismatch_metrics(old_logp, rollout_logp, mask, hp_old_logp=hp_old))
+        out = self._step_metrics(local, mb_metrics, calib_metrics, lower, upper)
+        timings["step"] = time.perf_counter() - t_step
+        out.update({f"timing/{k}": v for k, v in timings.items()})
+        self.step_idx += 1
+        return out
+
+    def _rollout_correction_kw(self) -> dict:
+        """The keyword arguments of ``algorithm.rollout_correction``'s mode (TIS cap, IcePop band)."""
+        a = self.cfg.algorithm
+        if a.rollout_correction == "tis":
+            return {"cap": a.tis_cap}
+        if a.rollout_correction == "icepop":
+            return {"lo": a.icepop_low, "hi": a.icepop_high}
+        return {}
+
+    def _update(self, data: Dict[str, torch.Tensor], lower: float, upper: float) -> list:
+        """``algorithm.epochs`` passes of ``algorithm.minibatches_per_step`` minibatch updates over the step's
+        batch (``data``: [B, ...] tensors, shuffled per epoch by ``shuffle_gen``); the minibatches' metrics."""
+        a = self.cfg.algorithm
+        B = data["tokens"].shape[0]
+        n_mb = a.minibatches_per_step
+        mb_size = B // n_mb
+        mb_metrics = []
+        for epoch in range(a.epochs):
+            perm = torch.randperm(B, generator=self.shuffle_gen)
+            for j in range(n_mb):
+                idx = perm[j * mb_size:(j + 1) * mb_size] if j < n_mb - 1 else perm[j * mb_size:]
+                mb = {k: v[idx] for k, v in data.items()}
+                self.calibration.add_reference_ratio(mb)
+                loss_fn = self._make_loss(lower, upper, first_minibatch=epoch == 0 and j == 0)
+                mb_metrics.append(self.actor.train_step(mb, loss_fn, temperature=self.cfg.rollout.temperature))
+        return mb_metrics
+
+    def _step_metrics(self, local: Dict, mb_metrics: list, calib_metrics: Dict, lower: float,
+                      upper: float) -> Dict[str, float]:
+        """The step's metrics as floats: ``local`` (rollout, rewards, ...) reduced over data parallelism, the
+        minibatches' training metrics, ``calib/*``, the bounds, counters and the stability monitor."""
+        # "sum" metrics are sums over the microbatches of one minibatch (shares of the minibatch
+        # value); across the step's minibatches they are averaged.
+        train_m = reduce_metrics([{k: (v, "mean" if r == "sum" else r) for k, (v, r) in m.items()}
+                                  for m in mb_metrics])
+        skipped = float(train_m.get("train/skipped", (torch.tensor(0.0), "max"))[0])
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped > 0 else 0
+        self.skipped_total += int(skipped > 0)
+        fp8_stats = collect_fp8_stats(self.actor.model)  # read and reset every step
         if self.recipe is not None:
             local["fp8/saturation_frac"] = make_metric(fp8_stats["fp8/saturation_frac"].float(), "mean")
             local["fp8/nonfinite_amax"] = make_metric(fp8_stats["fp8/nonfinite_amax"].float(), "sum")
-        group = self.actor.dp_group if self.actor.dp_size > 1 else None
-        merged = reduce_metrics([local], group=group)
+        merged = reduce_metrics([local], group=self.actor.dp_group if self.actor.dp_size > 1 else None)
         merged.update(train_m)
         merged.update(calib_metrics)
         out = metrics_to_floats(merged)  # the one host sync of the step
@@ -485,13 +497,10 @@ class RLTrainer:
         if ent is not None and math.isfinite(ent):
             out.update(metrics_to_floats(self.monitor.update(ent)))
         self._stability(out)
-        timings["step"] = time.perf_counter() - t_step
-        out.update({f"timing/{k}": v for k, v in timings.items()})
-        self.step_idx += 1
         return out
 
     def _stability(self, out: Dict[str, float]) -> None:
-        """Garbled-output flag and the monitor's action (DESIGN.md section 7), on the synced metrics.
+        """Garbled-output flag and the monitor's action (docs/design.md, "One training step"), on the synced metrics.
 
         ``stability/garbled = 1 if rollout/invalid_frac > stability.invalid_threshold``;
         ``stability/unstable_steps`` counts consecutive steps with a surge or garbled output.
@@ -512,8 +521,9 @@ class RLTrainer:
                 out.get("policy/entropy", math.nan), out.get("stability/entropy_ratio", math.nan),
                 100 * out.get("rollout/invalid_frac", math.nan), self.unstable_steps, st.window)
 
-    def _make_loss(self, lower: float, upper: float, calibrating: bool, step: int, first_minibatch: bool):
-        """The loss closure the actor evaluates per microbatch (on the last pipeline stage)."""
+    def _make_loss(self, lower: float, upper: float, first_minibatch: bool):
+        """The loss closure the actor evaluates per microbatch (on the last pipeline stage): the policy loss
+        with bounds ``[lower, upper]``, the KL and entropy terms, and the calibration pass's observation."""
         a = self.cfg.algorithm
 
         def loss_fn(mb, logprobs, entropy, *, global_tokens, global_seqs):
@@ -538,9 +548,7 @@ class RLTrainer:
                 # on-policy weights: this forward is the trainer's log-prob of the rollout's tokens
                 metrics.update(mismatch_metrics(logp.detach(), mb["rollout_logp"], mask,
                                                 hp_old_logp=mb.get("hp_old_logp")))
-            if calibrating:
-                ratio = torch.exp((logp.detach() - mb["old_logp"]) * mask)
-                self.calibrator.observe(ratio, mb["ref_ratio"], mb["advantages"], mask, step=step)
+            self.calibration.observe(logp, mb)
             return loss, metrics
 
         return loss_fn
@@ -689,16 +697,22 @@ class RLTrainer:
                 save_hf_checkpoint(self.actor, self.out / "hf")
             return last
         finally:
-            for s, h in self._old_handlers.items():
-                signal.signal(s, h)
-            self._old_handlers = {}
-            if self.logger is not None:
-                self.logger.close()
-            if self._log_file is not None:
-                logging.getLogger().removeHandler(self._log_file)
-                self._log_file.close()
-                self._log_file = None
-            self.task.close()
+            self.close()
+
+    def close(self) -> None:
+        """Release what the run holds: the rollout engine, the task's reward workers, the logger and the
+        run's log file, and the signal handlers it installed. Idempotent; :meth:`fit` calls it on every exit."""
+        for s, h in self._old_handlers.items():
+            signal.signal(s, h)
+        self._old_handlers = {}
+        if self.logger is not None:
+            self.logger.close()
+        if self._log_file is not None:
+            logging.getLogger().removeHandler(self._log_file)
+            self._log_file.close()
+            self._log_file = None
+        self.task.close()
+        self.engine.close()
 
 
 def _should_stop(sig: Optional[int]) -> bool:

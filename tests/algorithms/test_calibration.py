@@ -423,3 +423,23 @@ def test_two_gloo_ranks_get_identical_bounds_equal_to_single_process(gloo_result
         local.observe(*mb)
     local.update(0)
     assert local.bounds != b0  # one rank alone would have calibrated differently
+
+
+def test_library_defaults_are_the_config_defaults():
+    """``CalibratedClipping`` and ``calibrate_bounds`` (usable without our config) default to the values of
+    the ``calibration`` config group, so a plug-in user and a CLI user get the same controller."""
+    import dataclasses
+    import inspect
+
+    from nemo_fp8rl.algorithms.calibration import CalibratedClipping, calibrate_bounds
+    from nemo_fp8rl.config.schema import AlgorithmConfig, CalibrationConfig
+
+    config = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)}
+    config.update({f.name: f.default for f in dataclasses.fields(AlgorithmConfig) if f.name in ("eps_low", "eps_high")})
+    checked = 0
+    for fn in (CalibratedClipping.__init__, calibrate_bounds):
+        for name, p in inspect.signature(fn).parameters.items():
+            if name in config and p.default is not inspect.Parameter.empty:
+                assert p.default == config[name], f"{fn.__qualname__}({name}={p.default!r}) but the config says {config[name]!r}"
+                checked += 1
+    assert checked >= 8, checked

@@ -1,4 +1,4 @@
-"""issue 15: where nemo_fp8rl.algorithms and verl 0.9.1 share a semantic, they give the same numbers.
+"""Where nemo_fp8rl.algorithms and verl 0.9.1 share a semantic, they give the same numbers.
 
 PPO clip with dual clip and rollout weights in every shared aggregation mode with global counts, the KL
 estimators, GRPO / Dr. GRPO advantages; checked against the real verl functions.

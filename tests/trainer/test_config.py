@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from nemo_fp8rl.config.schema import ConfigError, TrainConfig, build_fp8_recipe
+from nemo_fp8rl.config.schema import ConfigError, TrainConfig
+from nemo_fp8rl.fp8.recipes import build_fp8_recipe
 from nemo_fp8rl.validation import validate
 
 
