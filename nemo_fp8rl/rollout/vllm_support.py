@@ -13,7 +13,8 @@ Two places ask, with different knowledge:
 
 Every message names the config key and the fix. This module imports neither torch nor vLLM at import
 time (only :func:`check_vllm_fp8_hardware`, which runs on the compute node, asks vLLM), so validation
-and the launchers can import it anywhere; the model shape comes from the ``ModelConfig`` fields.
+and the launchers can import it anywhere; the model shape comes from ``ModelConfig``'s derived
+fields (``head_dim``, ``num_kv_heads``).
 """
 
 from __future__ import annotations
@@ -78,21 +79,16 @@ class _Heads:
 
     @classmethod
     def from_config(cls, cfg: Any) -> _Heads | None:
-        """From a ``ModelConfig`` (defaults filled in as :class:`nemo_fp8rl.rollout.model.ModelShape` does);
-        None for a model the rollout engines refuse anyway (the model's own validation names the key)."""
+        """From a :class:`~nemo_fp8rl.config.model.ModelConfig` (its derived ``num_kv_heads`` and ``head_dim``);
+        None for a model :class:`nemo_fp8rl.rollout.model.ModelShape` refuses (the rollout engines refuse it
+        anyway and the model's own validation names the key)."""
         try:
-            if getattr(cfg, "normalization", "RMSNorm") != "RMSNorm" or getattr(cfg, "activation", "swiglu") != "swiglu":
+            if cfg.normalization != "RMSNorm" or cfg.activation != "swiglu":
                 return None
-            heads = int(cfg.num_attention_heads)
-            groups = int(cfg.num_query_groups) if cfg.num_query_groups is not None else heads
-            if heads % groups != 0:
+            heads, groups = int(cfg.num_attention_heads), int(cfg.num_kv_heads)
+            if heads % groups != 0 or (not cfg.kv_channels and cfg.hidden_size % heads != 0):
                 return None
-            if cfg.kv_channels is not None:
-                hd = int(cfg.kv_channels)
-            elif cfg.hidden_size % heads != 0:
-                return None
-            else:
-                hd = cfg.hidden_size // heads
+            hd = int(cfg.head_dim)
             if hd % 2 != 0:
                 return None
             return cls(num_heads=heads, num_groups=groups, head_dim=hd, ffn_hidden_size=int(cfg.ffn_hidden_size))

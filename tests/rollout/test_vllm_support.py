@@ -41,9 +41,9 @@ def test_vllm_checks_run_without_torch_on_the_submit_host():
     assert out.stdout.split() == ["refused", "True", "False"], out.stdout
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", [*sorted(CONFIGS), "unset_as_zero"])
 def test_shape_fields_are_the_rollout_models(name):
-    cfg = ModelConfig(**CONFIGS[name])
+    cfg = ModelConfig(**CONFIGS.get(name, dict(CONFIGS["llama"], kv_channels=0, num_query_groups=0)))
     s, h = ModelShape.from_config(cfg), _Heads.from_config(cfg)
     assert (h.num_heads, h.num_groups, h.head_dim, h.ffn_hidden_size) == (
         s.num_heads, s.num_groups, s.head_dim, s.ffn_hidden_size)
@@ -82,20 +82,14 @@ def test_check_rollout_config_names_the_key(rollout, message):
 
 
 def test_check_rollout_config_vllm_refusals_are_config_errors():
+    """The FP8-scheme refusals as validate() reports them are tested in test_vllm_engine.py
+    (test_config_validation_accepts_fp8_rollout_with_vllm_on_a_host_without_gpu); here the ones it does not
+    reach: the bf16 arm ignores the rollout scheme, and the rollout TP size must divide the heads."""
     cfg = _cfg(engine="vllm")
     check_rollout_config(cfg)  # FP8 off by default: fine without a GPU or vLLM
-    cfg.fp8.recipe = "blockwise"
-    for scheme in ("vllm_block", "vllm_w8a8", "off"):
-        cfg.rollout.fp8.scheme = scheme
-        check_rollout_config(cfg)
     cfg.rollout.fp8.scheme = "same_as_train"
-    with pytest.raises(ConfigError, match="rollout.fp8.scheme=same_as_train.*rollout.engine=torch"):
-        check_rollout_config(cfg)
-    cfg.fp8.recipe = None  # the bf16 arm: the rollout scheme is off, whatever it says
-    check_rollout_config(cfg)
-    cfg.fp8.recipe, cfg.rollout.fp8.scheme, cfg.model.num_query_groups = "blockwise", "vllm_block", 2
-    with pytest.raises(ConfigError, match="rollout.fp8.scheme=vllm_block.*multiple of 128 rows"):
-        check_rollout_config(cfg)
-    cfg.rollout.fp8.scheme, cfg.parallel.tensor_model_parallel_size, cfg.rollout.tensor_parallel_size = "off", 8, 8
+    check_rollout_config(cfg)  # the bf16 arm: the rollout scheme is off, whatever it says
+    cfg.fp8.recipe, cfg.rollout.fp8.scheme, cfg.parallel.tensor_model_parallel_size = "blockwise", "off", 8
+    cfg.rollout.tensor_parallel_size = 8
     with pytest.raises(ConfigError, match="does not divide model.num_attention_heads=4"):
         check_rollout_config(cfg)
