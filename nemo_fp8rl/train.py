@@ -45,7 +45,7 @@ def to_train_config(dict_cfg):
 def write_resolved_config(cfg, output_dir: str) -> None:
     from omegaconf import OmegaConf
 
-    from nemo_fp8rl.trainer.checkpoint import atomic_write_bytes
+    from nemo_fp8rl.trainer.atomic_publish import atomic_write_bytes
 
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(Path(output_dir) / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)).encode())

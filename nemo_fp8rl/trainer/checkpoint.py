@@ -27,6 +27,11 @@ half-written one that looks complete):
 3. loading checks that ``meta.json`` exists, that every file is present with the recorded size and
    hash (format 2: the ranks split the ``dist/`` files between them), and that the config matches,
    and raises naming the file otherwise.
+
+The directory protocol (temporary directory, fsync, rename, ``latest``, keep last K) is
+:mod:`nemo_fp8rl.trainer.atomic_publish`; megatron's reads and writes of ``dist/`` are
+:mod:`nemo_fp8rl.trainer.dist_checkpoint`; this module holds the formats and the
+:class:`CheckpointManager` that the trainer uses.
 """
 
 from __future__ import annotations
@@ -35,8 +40,6 @@ import hashlib
 import io
 import json
 import logging
-import os
-import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -46,8 +49,19 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-STEP_RE = re.compile(r"^step_(\d+)$")
-DIST_DIR = "dist"
+from nemo_fp8rl.trainer import atomic_publish
+from nemo_fp8rl.trainer.atomic_publish import atomic_write_bytes, barrier, rank, sha256_file, world_size
+from nemo_fp8rl.trainer.dist_checkpoint import (
+    DIST_DIR,
+    async_calls_queue,
+    dist_load,
+    dist_save,
+    dist_save_async,
+    dist_write_error,
+    finalize_async_saves,
+    hash_dist_files,
+)
+
 logger = logging.getLogger(__name__)
 # Config keys a format-2 checkpoint may change on resume (the sharded state is layout-free).
 RESHARDABLE_PREFIXES = ("parallel.",)
@@ -58,50 +72,6 @@ FORMAT1_WAY_OUT = ("resume once with the saved parallel.* values and the same nu
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded as asked; the message names the file and the mismatch."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync, rename.
-
-    On failure (e.g. ENOSPC) the temporary file is removed and ``path`` is left as it was.
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 @dataclass
@@ -119,127 +89,6 @@ class ShardedCheckpoint:
     rank_states: List[Dict[str, Any]]
     load_sharded: Callable[[dict], dict] = field(repr=False)
     format: int = 2
-
-
-def _sha256_file(path: Path) -> tuple[int, str]:
-    h = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-            n += len(chunk)
-    return n, h.hexdigest()
-
-
-def _exit_with_parent() -> None:
-    """Runs in megatron's results-queue manager process: ask Linux to SIGTERM it when its parent dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
-    except (OSError, AttributeError):
-        pass
-
-
-def _results_queue_dies_with_us() -> None:
-    """megatron's writer lazily starts a multiprocessing Manager (a spawned server process) for its
-    results queue and never stops it: after a ``kill -9`` of the trainer it lives on (~270 MB each,
-    one per killed run). Start that manager ourselves, once per process, with an initializer that
-    makes it exit with its parent, and hand megatron its queue."""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))  # what megatron's ctx.Manager() starts
-        manager.start(initializer=_exit_with_parent)
-        filesystem_async._results_queue = manager.Queue()
-
-
-def _dist_save(sharded: dict, directory: Path, device) -> None:
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-
-    from nemo_fp8rl.models.cpu_schedules import cpu_megatron
-
-    _results_queue_dies_with_us()
-    with cpu_megatron("checkpoint", device=device):
-        strategy = get_default_save_sharded_strategy()
-        if _world() > 1:  # each rank writes a share of the replicated tensors (megatron's usual setting)
-            strategy = FullyParallelSaveStrategyWrapper(strategy)
-        dist_checkpointing.save(sharded, str(directory), sharded_strategy=strategy)
-
-
-def _writer_dies_with_trainer(write_fn, *args, **kwargs):
-    """Runs in megatron's forked async writer: die (SIGKILL) with the trainer that forked it, then write.
-
-    After a ``kill -9`` of the trainer nothing can publish this checkpoint any more; a writer living on
-    would only keep filling ``.tmp-step_<N>/`` (which the next run removes and may recreate). The
-    preemption signals the trainer handles are ignored here (the fork inherited its handlers): the
-    trainer finishes its step, waits for this write and exits."""
-    import signal
-
-    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the trainer died before the prctl
-        os._exit(1)
-    write_fn(*args, **kwargs)
-
-
-def _dist_save_async(sharded: dict, directory: Path, device, calls) -> None:
-    """megatron's asynchronous sharded save, scheduled on ``calls`` (an ``AsyncCallsQueue``).
-
-    ``dist_checkpointing.save(..., async_sharded_save=True)`` plans collectively, writes ``common.pt``
-    and returns an ``AsyncRequest``; scheduling it runs its ``preload_fn`` (CUDA tensors copied to host
-    memory), ``torch.cuda.synchronize()`` and forks the writer (megatron's ``TemporalAsyncCaller``).
-    The snapshot: on GPU the host copies; on CPU the forked writer's copy-on-write image of the
-    parameters, taken before this returns (megatron does not clone whole CPU tensors). A persistent
-    (spawned) writer would receive CPU tensors through shared memory and see later updates, so it is
-    not used. Collective."""
-    from functools import partial
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-    from nemo_fp8rl.models.cpu_schedules import cpu_megatron
-
-    _results_queue_dies_with_us()
-    with cpu_megatron("checkpoint", device=device):
-        strategy = get_default_save_sharded_strategy()
-        if _world() > 1:
-            strategy = FullyParallelSaveStrategyWrapper(strategy)
-        request = dist_checkpointing.save(sharded, str(directory), sharded_strategy=strategy,
-                                          async_sharded_save=True)
-        if request.async_fn is not None:
-            request = request._replace(async_fn=partial(_writer_dies_with_trainer, request.async_fn))
-        calls.schedule_async_request(request)
-
-
-def _dist_load(template: dict, directory: Path, device) -> dict:
-    from megatron.core import dist_checkpointing
-
-    from nemo_fp8rl.models.cpu_schedules import cpu_megatron
-
-    with cpu_megatron("checkpoint", device=device):
-        return dist_checkpointing.load(template, str(directory))
-
-
-def _write_error(d: Path, e: BaseException) -> str:
-    """The one-line reason a sharded write into ``d`` failed (KeyboardInterrupt/SystemExit re-raised)."""
-    # megatron's writer reports an OSError (disk full) as torch's CheckpointException, a BaseException
-    if isinstance(e, (KeyboardInterrupt, SystemExit)):
-        raise e
-    return f"writing {d} failed: {getattr(e, 'strerror', None) or str(e).splitlines()[-1][:500]}"
 
 
 @dataclass
@@ -270,25 +119,11 @@ class CheckpointManager:
     # ------------------------------------------------------------------ discovery
     def steps(self) -> list[int]:
         """Complete checkpoints on disk (those with a meta.json), ascending."""
-        if not self.root.is_dir():
-            return []
-        out = []
-        for p in self.root.iterdir():
-            m = STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / "meta.json").is_file():
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return atomic_publish.complete_steps(self.root)
 
     def latest_step(self) -> Optional[int]:
         """Step named by ``latest`` if it is complete, else the newest complete checkpoint, else None."""
-        ptr = self.root / "latest"
-        if ptr.is_file():
-            name = ptr.read_text().strip()
-            m = STEP_RE.match(name)
-            if m and (self.root / name / "meta.json").is_file():
-                return int(m.group(1))
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return atomic_publish.latest_step(self.root)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Dict[str, Any], fingerprint: Dict[str, Any], *,
@@ -304,31 +139,24 @@ class CheckpointManager:
         (blocking), so at most one is in flight.
         """
         self.wait()
-        rank, world = _rank(), _world()
-        final = self.root / f"step_{step}"
-        tmp = self.root / f".tmp-step_{step}"
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        _barrier()
+        me, world = rank(), world_size()
+        tmp, final = atomic_publish.make_tmp_dir(self.root, step)
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
         try:
-            atomic_write_bytes(tmp / f"rank_{rank}.pt", data)
+            atomic_write_bytes(tmp / f"rank_{me}.pt", data)
         except OSError as e:
             # Disk full / quota / permissions: drop the partial directory, keep every older checkpoint.
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(
-                f"writing {tmp / f'rank_{rank}.pt'} ({len(data)} bytes) failed: {e.strerror or e}; the partial "
+                f"writing {tmp / f'rank_{me}.pt'} ({len(data)} bytes) failed: {e.strerror or e}; the partial "
                 f"checkpoint was removed and older checkpoints in {self.root} are intact. Free space or move output_dir."
             ) from e
         digest = hashlib.sha256(data).hexdigest()
         files = [None] * world
         if world > 1:
-            dist.all_gather_object(files, {"name": f"rank_{rank}.pt", "bytes": len(data), "sha256": digest})
+            dist.all_gather_object(files, {"name": f"rank_{me}.pt", "bytes": len(data), "sha256": digest})
         else:
             files = [{"name": "rank_0.pt", "bytes": len(data), "sha256": digest}]
         meta = {"step": step, "world_size": world, "files": files, "fingerprint": dict(fingerprint),
@@ -344,32 +172,13 @@ class CheckpointManager:
 
     def _publish(self, tmp: Path, final: Path, meta: dict) -> Path:
         """Steps 1 (``meta.json``, rank 0) and 2 of the write protocol, once every file is in ``tmp``."""
-        rank, step = _rank(), meta["step"]
-        if rank == 0:
-            atomic_write_bytes(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True).encode())
-            _fsync_dir(tmp)
-        _barrier()
-        if rank == 0:
-            if final.exists():  # re-saving a step (e.g. after a resume): replace the old copy
-                old = self.root / f".old-step_{step}"
-                shutil.rmtree(old, ignore_errors=True)  # left by an earlier kill
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(self.root)
-            atomic_write_bytes(self.root / "latest", f"step_{step}\n".encode())
-            _fsync_dir(self.root)
-            self.prune()
-        _barrier()
-        return final
+        return atomic_publish.publish(self.root, tmp, final, meta, self.keep_last)
 
     def _save_sharded(self, tmp: Path, sharded: dict, device) -> list:
         """megatron's collective sharded save into ``tmp/dist``; rank 0 returns [{name, bytes, sha256}]
         of every file written there. A failure on any rank removes ``tmp`` and raises on every rank."""
-        self._in_dist_dir(tmp, lambda d: _dist_save(sharded, d, device))
-        return self._hash_dist(tmp)
+        self._in_dist_dir(tmp, lambda d: dist_save(sharded, d, device))
+        return hash_dist_files(tmp)
 
     def _in_dist_dir(self, tmp: Path, write) -> None:
         """Create ``tmp/dist`` (rank 0), then ``write(tmp/dist)`` on every rank (collective); a failure on
@@ -377,23 +186,21 @@ class CheckpointManager:
         d = tmp / DIST_DIR
         err = ""
         try:
-            if _rank() == 0:
+            if rank() == 0:
                 d.mkdir()
-            _barrier()
+            barrier()
             write(d)
         except BaseException as e:  # noqa: BLE001
-            err = _write_error(d, e)
+            err = dist_write_error(d, e)
         self._raise_if_any_failed(tmp, err)
 
     def _schedule_sharded(self, tmp: Path, sharded: dict, device) -> None:
         """Plan megatron's asynchronous save into ``tmp/dist`` and fork its writer (collective); a
         planning failure on any rank removes ``tmp`` and raises on every rank."""
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
         def write(d: Path) -> None:
             if self._calls is None:
-                self._calls = AsyncCallsQueue(persistent=False)  # a fork per save: the CPU snapshot
-            _dist_save_async(sharded, d, device, self._calls)
+                self._calls = async_calls_queue()
+            dist_save_async(sharded, d, device, self._calls)
 
         self._in_dist_dir(tmp, write)
 
@@ -421,40 +228,33 @@ class CheckpointManager:
         p = self._pending
         if p is None:
             return None
-        from nemo_fp8rl.models.cpu_schedules import cpu_megatron
-
         d = p.tmp / DIST_DIR
         err, done = "", False
         try:
-            # megatron all-reduces "is any writer alive", then runs the request's finalize functions
-            # (gather of the write results, torch's .metadata and metadata.json on rank 0, failure
-            # broadcast: a CheckpointException on every rank if any rank's writer failed).
-            with cpu_megatron("checkpoint", device=self.device):
-                done = bool(self._calls.maybe_finalize_async_calls(blocking=blocking))
+            done = finalize_async_saves(self._calls, self.device, blocking)
         except BaseException as e:  # noqa: BLE001
-            err, done = _write_error(d, e), True
+            err, done = dist_write_error(d, e), True
         if not done:  # the same answer on every rank (megatron's all-reduce)
             return None
         self._pending = None
         self._raise_if_any_failed(p.tmp, err)
-        meta = dict(p.meta, dist_files=self._hash_dist(p.tmp))
+        meta = dict(p.meta, dist_files=hash_dist_files(p.tmp))
         out = self._publish(p.tmp, p.final, meta)
-        if _rank() == 0:
+        if rank() == 0:
             logger.info("checkpoint %s published: asynchronous save (save() took %.2f s to stage and fork the "
                         "writer; published %.2f s later)", out, p.schedule_s, time.perf_counter() - p.scheduled_at)
         return out
 
     def _raise_if_any_failed(self, tmp: Path, err: str) -> None:
         """Collective: if any rank reports ``err``, remove ``tmp`` and raise CheckpointError everywhere."""
-        rank = _rank()
         errs = [err]
-        if _world() > 1:
-            errs = [None] * _world()
+        if world_size() > 1:
+            errs = [None] * world_size()
             dist.all_gather_object(errs, err)
         bad = [e for e in errs if e]
         if bad:
-            _barrier()
-            if rank == 0:
+            barrier()
+            if rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             try:
                 free = f" ({shutil.disk_usage(self.root).free} bytes free there)"
@@ -464,30 +264,11 @@ class CheckpointManager:
                 f"{bad[0]}; the partial checkpoint was removed and older checkpoints in {self.root}{free} are "
                 "intact. Free space or move output_dir."
             )
-        _barrier()
-
-    @staticmethod
-    def _hash_dist(tmp: Path) -> list:
-        """Rank 0: [{name, bytes, sha256}] of every file megatron wrote to ``tmp/dist``; others: []."""
-        if _rank() != 0:
-            return []
-        out = []
-        for p in sorted(x for x in (tmp / DIST_DIR).rglob("*") if x.is_file()):
-            n, h = _sha256_file(p)
-            out.append({"name": str(p.relative_to(tmp)), "bytes": n, "sha256": h})
-        return out
+        barrier()
 
     def prune(self) -> None:
         """Keep the newest ``keep_last`` complete checkpoints; drop stale temporary directories."""
-        for p in self.root.iterdir():
-            if p.name.startswith((".tmp-step_", ".old-step_")) and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-        for s in self.steps()[: -self.keep_last]:
-            # Rename first (atomic), then delete: a kill during the slow delete leaves a hidden
-            # directory, never a step_<N> that looks complete but lost files.
-            doomed = self.root / f".old-step_{s}"
-            os.replace(self.root / f"step_{s}", doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+        atomic_publish.prune(self.root, self.keep_last)
 
     # ------------------------------------------------------------------ load
     def load(self, step: int, fingerprint: Dict[str, Any]):
@@ -507,7 +288,7 @@ class CheckpointManager:
         fmt = meta.get("format", 1)
         if fmt not in (1, 2):
             raise CheckpointError(f"{meta_path}: unknown checkpoint format {fmt!r}; this nemo_fp8rl reads formats 1 and 2")
-        world = _world()
+        world = world_size()
         if fmt == 1 and meta.get("world_size") != world:
             raise CheckpointError(
                 f"{meta_path}: saved with world size {meta.get('world_size')}, resuming with {world}; this is a "
@@ -527,15 +308,15 @@ class CheckpointManager:
                 f"{meta_path}: the config changed in keys that shape the model or the run ({lines}); "
                 "resume with the original values or start a new output_dir"
             )
-        rank = _rank()
+        me = rank()
         if fmt == 1:
-            return self._read_rank_file(d, meta["files"][rank], f"rank {rank} shard of step {step}")
+            return self._read_rank_file(d, meta["files"][me], f"rank {me} shard of step {step}")
         # Format 2: the dist/ files are verified by the ranks in turn (file i by rank i mod world); the
         # first problem any rank found is raised on every rank.
         err = ""
         try:
             for i, entry in enumerate(meta.get("dist_files", [])):
-                if i % world == rank:
+                if i % world == me:
                     self._verify_file(d, entry)
             states = [self._read_rank_file(d, entry, f"local state of saved rank {r}")
                       for r, entry in enumerate(meta["files"])]
@@ -549,14 +330,14 @@ class CheckpointManager:
         if bad:
             raise CheckpointError(bad[0])
         return ShardedCheckpoint(step=step, directory=d, saved_world_size=meta["world_size"], rank_states=states,
-                                 load_sharded=lambda template: _dist_load(template, d / DIST_DIR, self.device))
+                                 load_sharded=lambda template: dist_load(template, d / DIST_DIR, self.device))
 
     @staticmethod
     def _verify_file(d: Path, entry: dict) -> None:
         path = d / entry["name"]
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
-        n, h = _sha256_file(path)
+        n, h = sha256_file(path)
         if n != entry["bytes"]:
             raise CheckpointError(f"{path} is truncated or altered: {n} bytes, meta.json records {entry['bytes']}")
         if h != entry["sha256"]:

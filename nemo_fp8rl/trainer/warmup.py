@@ -27,7 +27,7 @@ import torch.distributed as dist
 from nemo_fp8rl.algorithms import make_metric, metrics_to_floats
 from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.config.schema import TrainConfig
-from nemo_fp8rl.trainer.checkpoint import atomic_write_bytes
+from nemo_fp8rl.trainer.atomic_publish import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
