@@ -42,9 +42,11 @@ class Registry(Generic[T]):
     def register(self, name: str, obj: T | None = None, *, aliases: Iterable[str] = ()):
         """Register ``obj`` under ``name`` (and ``aliases``); without ``obj``, a decorator that does.
 
-        A name or alias that is already taken raises ``ValueError`` (two plug-ins must not silently
-        shadow each other).
+        An empty name, or a name or alias that is already taken, raises ``ValueError`` (two plug-ins must
+        not silently shadow each other).
         """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
         aliases = tuple(aliases)
 
         def add(o: T) -> T:

@@ -8,7 +8,6 @@ over the response tokens, the losses accept ``[batch]`` advantages directly).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -24,21 +23,10 @@ class AdvantageEstimator(Protocol):
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.adv_estimator")
 
 
-def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator registering an advantage estimator under ``name``; a second registration raises."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"advantage estimator name must be a non-empty string, got {name!r}")
-    return ADVANTAGE_ESTIMATORS.register(name)
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """Look up an advantage estimator; unknown names raise ValueError listing the valid ones."""
-    return ADVANTAGE_ESTIMATORS.get(name)
-
-
-def list_advantage_estimators() -> list[str]:
-    """Names of all registered advantage estimators, sorted."""
-    return ADVANTAGE_ESTIMATORS.names()
+# the public functions of this registry: register (a decorator: ``@register_advantage_estimator("name")``), look up, list
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
+list_advantage_estimators = ADVANTAGE_ESTIMATORS.names
 
 
 def group_rewards(rewards: torch.Tensor, group_size: int, *, min_group_size: int = 1) -> torch.Tensor:

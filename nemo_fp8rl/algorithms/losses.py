@@ -27,7 +27,6 @@ directly comparable with ``calib/alpha_bf16``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -75,21 +74,10 @@ class PolicyLossFn(Protocol):
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "algorithm.policy_loss", plural="policy losses")
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under ``name``; registering a name twice raises ValueError."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"policy loss name must be a non-empty string, got {name!r}")
-    return POLICY_LOSSES.register(name)
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """Look up a registered policy loss; unknown names raise ValueError listing the valid ones."""
-    return POLICY_LOSSES.get(name)
-
-
-def list_policy_losses() -> list[str]:
-    """Names of all registered policy losses, sorted."""
-    return POLICY_LOSSES.names()
+# the public functions of this registry: register (a decorator: ``@register_policy_loss("name")``), look up, list
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.get
+list_policy_losses = POLICY_LOSSES.names
 
 
 # ---------------------------------------------------------------------------------------------------

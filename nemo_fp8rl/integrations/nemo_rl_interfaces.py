@@ -13,21 +13,11 @@ try:
     from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType, MetricNormalizer
 except ImportError:  # NeMo RL not installed: same names and values
 
-    class LossType(enum.Enum):  # type: ignore[no-redef]
-        TOKEN_LEVEL = "token_level"
-        SEQUENCE_LEVEL = "sequence_level"
-
-    class LossInputType(enum.Enum):  # type: ignore[no-redef]
-        LOGIT = "logit"
-        LOGPROB = "logprob"
-        DISTILLATION = "distillation"
-        DISTILLATION_CROSS_TOKENIZER = "distillation_cross_tokenizer"
-        DRAFT = "draft"
-
-    class MetricNormalizer(enum.Enum):  # type: ignore[no-redef]
-        TOKENS = "tokens"
-        SEQUENCES = "sequences"
-        NONE = "none"
+    LossType = enum.Enum("LossType", {"TOKEN_LEVEL": "token_level", "SEQUENCE_LEVEL": "sequence_level"})
+    LossInputType = enum.Enum("LossInputType", {
+        "LOGIT": "logit", "LOGPROB": "logprob", "DISTILLATION": "distillation",
+        "DISTILLATION_CROSS_TOKENIZER": "distillation_cross_tokenizer", "DRAFT": "draft"})
+    MetricNormalizer = enum.Enum("MetricNormalizer", {"TOKENS": "tokens", "SEQUENCES": "sequences", "NONE": "none"})
 
 
 __all__ = ["LossInputType", "LossType", "MetricNormalizer"]

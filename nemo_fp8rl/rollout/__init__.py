@@ -11,8 +11,7 @@ The names are loaded lazily (PEP 562): config validation imports
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from nemo_fp8rl._lazy import lazy_exports
 
 _EXPORTS = {
     "RolloutBatch": "base",
@@ -33,11 +32,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"nemo_fp8rl.rollout.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'nemo_fp8rl.rollout' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -12,8 +12,7 @@ library, and must not pay for importing torch through this package's ``__init__`
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from nemo_fp8rl._lazy import lazy_exports
 
 _EXPORTS = {
     "Task": "base",
@@ -46,11 +45,4 @@ __all__ = [  # noqa: RUF022 - same order as _EXPORTS
 assert sorted(__all__) == sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"nemo_fp8rl.tasks.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'nemo_fp8rl.tasks' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

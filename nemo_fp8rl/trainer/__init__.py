@@ -6,8 +6,7 @@ The names are loaded lazily (PEP 562): ``nemo_fp8rl.report`` reads ``metrics.jso
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from nemo_fp8rl._lazy import lazy_exports
 
 _EXPORTS = {
     "CheckpointError": "checkpoint",
@@ -23,11 +22,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"nemo_fp8rl.trainer.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'nemo_fp8rl.trainer' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
