@@ -20,7 +20,7 @@ import torch
 # on its timeout without taking this process down, and returns its GPU memory when it exits. The child
 # rewrites its JSON after every arm, so a timeout still brings back what was measured.
 
-# the vllm engine's process settings (nemo_fp8rl/rollout/vllm_engine.py): engine core in the process,
+# the vllm engine's process settings (nemo_fp8rl/rollout/vllm_patches.py): engine core in the process,
 # a small CPU KV cache and no thread pinning for the dry run on a shared CPU, warnings only
 _VLLM_CHILD_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                    "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"}
