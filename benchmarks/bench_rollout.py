@@ -94,7 +94,8 @@ def main() -> None:
     if args.hf_path:
         import dataclasses
 
-        from nemo_fp8rl.models.hf import load_hf_state_dict, resolve_model_config
+        from nemo_fp8rl.models.hf_config import resolve_model_config
+        from nemo_fp8rl.models.hf_load import load_hf_state_dict
 
         cfg = resolve_model_config(ModelConfig(hf_path=args.hf_path))  # registry:NAME -> its cached directory
         cfg = dataclasses.replace(cfg, seq_length=args.prompt_len + max(lengths))

@@ -94,7 +94,7 @@ def plans_from_overrides(overrides: list[str]):
 def plan_main(argv: "list[str] | None" = None) -> int:
     """``nemo-fp8rl-plan``: per-GPU memory of a training config or launcher stage
     (:mod:`nemo_fp8rl.launcher.memory`, docs/megatron.md "Memory plan"). Returns the exit code."""
-    from nemo_fp8rl.launcher.memory import main as memory_main
+    from nemo_fp8rl.launcher.memory_cli import main as memory_main
 
     return memory_main(sys.argv[1:] if argv is None else list(argv), compose_train=compose_train_config,
                        compose_launcher=compose_launcher_config, plan_stages=plan_stages)

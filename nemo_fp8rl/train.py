@@ -33,7 +33,7 @@ def to_train_config(dict_cfg):
     """OmegaConf DictConfig (from Hydra) -> validated :class:`TrainConfig`."""
     from omegaconf import OmegaConf
 
-    from nemo_fp8rl.models.hf import resolve_model_config
+    from nemo_fp8rl.models.hf_config import resolve_model_config
     from nemo_fp8rl.validation import validate
 
     cfg = OmegaConf.to_object(dict_cfg)
@@ -117,10 +117,10 @@ def _main_hydra() -> None:
 
     @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
     def _app(dict_cfg: DictConfig) -> None:
-        from nemo_fp8rl.config.schema import ConfigError
-
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
+
+        from nemo_fp8rl.config.schema import ConfigError
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
         hc = HydraConfig.get()

@@ -19,8 +19,7 @@ import traceback
 from pathlib import Path
 
 import torch
-
-from vllm_common import _VLLM_CHILD_ENV, _close_llm, _qwen3_8b_config, _quant_methods
+from vllm_common import _VLLM_CHILD_ENV, _close_llm, _quant_methods, _qwen3_8b_config
 
 
 def run(ctx, layers: int = 4, repeats: int = 2) -> None:
@@ -39,7 +38,7 @@ def run(ctx, layers: int = 4, repeats: int = 2) -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
     from nemo_fp8rl.config.model import ModelConfig
-    from nemo_fp8rl.models.hf import model_config_to_hf_config
+    from nemo_fp8rl.models.hf_config import model_config_to_hf_config
 
     if dry:  # CPU: a tiny model in float32, the high-precision arm only (vLLM's FP8 needs a GPU here)
         decode = {"batch": 8, "prompt": 8, "new": 8}

@@ -208,6 +208,11 @@ class OptimConfig:
     false on CPU (there it is slower and only shards the Adam moments; docs/megatron.md)."""
 
 
+def resolve_distributed_optimizer(distributed: Optional[bool], on_gpu: bool) -> bool:
+    """``optim.distributed`` with its null resolved (the one place): null -> true on GPU, false on CPU."""
+    return on_gpu if distributed is None else bool(distributed)
+
+
 @dataclass
 class TaskConfig:
     """The verifiable task (conf/task/)."""
@@ -452,7 +457,7 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
             f"{m.num_attention_heads}; set model.kv_channels explicitly or change the sizes"
         )
-    groups = m.num_query_groups or m.num_attention_heads
+    groups = m.num_kv_heads
     if m.num_attention_heads % groups:
         raise ConfigError(
             f"model.num_attention_heads={m.num_attention_heads} must be a multiple of model.num_query_groups={groups}"

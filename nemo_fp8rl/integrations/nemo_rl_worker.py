@@ -1,7 +1,7 @@
 """The BF16 shadow forward inside NeMo RL's Megatron workers: FP8 off on the same weights, then back on.
 
 Calibrated Clipping needs rho_t = exp(hp_logp - hp_old_logp) from forwards of the trainer's own weights with
-FP8 off (DESIGN.md section 4). In NeMo RL that is the worker's ``get_logprobs`` while
+FP8 off (docs/design.md, "Calibrated Clipping"). In NeMo RL that is the worker's ``get_logprobs`` while
 :class:`Fp8ShadowWorkerMixin` has FP8 switched off; :func:`shadow_logprobs` does it on every worker from the
 driver. The loss side (``ClippedPGLossFn.observe_shadow``) is in :mod:`nemo_fp8rl.integrations.nemo_rl`.
 """

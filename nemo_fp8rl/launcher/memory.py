@@ -24,10 +24,10 @@ the function that computes it):
 
 Two optimizer paths are planned side by side:
 
-- ``adamw`` (what the actor runs today): ``torch.optim.AdamW`` on float32 parameters, every
+- ``adamw`` (``optim.distributed=false``, the default on CPU): ``torch.optim.AdamW`` on float32 parameters, every
   data-parallel rank holds all of it: 4 (weights) + 4 (grads) + 8 (two moments) = 16 bytes/parameter,
   Megatron's "fp32 parameters, fp32 gradients, non-distributed" row [1];
-- ``distributed`` (Megatron's ``DistributedOptimizer``, issue 16): BF16 parameters, float32 main grads,
+- ``distributed`` (Megatron's ``DistributedOptimizer``, ``optim.distributed=true``, the default on GPU): BF16 parameters, float32 main grads,
   float32 main parameters and Adam moments sharded over DP: 2 + 4 + 12/DP bytes/parameter, the
   "bf16 parameters, fp32 gradients" row of [1] (Megatron-LM's ``report_theoretical_memory`` [2] uses
   the same 18 and 6 + 12/DP).
@@ -139,7 +139,7 @@ def stage_parameters(model, tp: int, pp: int, stage: int, *, fp8_layers: Optiona
 def state_bytes(params: int, optimizer: str, dp: int, device: str) -> dict[str, int]:
     """Weights, gradients and optimizer state of ``params`` elements, in bytes (Megatron's table [1]).
 
-    ``adamw`` (today's actor: float32 parameters, ``torch.optim.AdamW``, state on every DP rank)::
+    ``adamw`` (``optim.distributed=false``: float32 parameters, ``torch.optim.AdamW``, state on every DP rank)::
 
         weights 4 P,  grads 4 P,  optimizer 8 P  (exp_avg + exp_avg_sq, float32)        = 16 P
 
@@ -572,7 +572,7 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
         # a what-if engine for another config (--rollout-share): sharded like training
         r_tp, r_pp = (cfg.rollout.tensor_parallel_size, 1) if vllm else (tp, pp)
         sequences = a.prompts_per_step // options.dp * a.group_size
-        split = cfg.rollout.split_prompts if cfg.rollout.split_prompts is not None else cfg.rollout.engine != "torch"
+        split = cfg.rollout.splits_prompts
         if split:  # the replica's TP x PP / r_tp engines each generate their share (rollout.split_prompts)
             engines = max(1, (tp * pp) // (r_tp if vllm else 1))
             sequences = -(-sequences // engines)
@@ -608,12 +608,11 @@ def config_recipe(cfg) -> Optional[str]:
 def config_optimizer(cfg, device: str = "gpu") -> str:
     """``distributed`` when the config runs Megatron's distributed optimizer, else ``adamw``.
 
-    ``optim.distributed`` (issue 16's optimizer part): true, false, or null = true on GPU and false on
-    CPU. A schema without the key is today's actor: torch AdamW."""
-    distributed = getattr(cfg.optim, "distributed", False)
-    if distributed is None:
-        distributed = device == "gpu"
-    return "distributed" if distributed else "adamw"
+    ``optim.distributed``: true, false, or null = true on GPU and false on CPU
+    (:func:`~nemo_fp8rl.config.schema.resolve_distributed_optimizer`)."""
+    from nemo_fp8rl.config.schema import resolve_distributed_optimizer
+
+    return "distributed" if resolve_distributed_optimizer(cfg.optim.distributed, device == "gpu") else "adamw"
 
 
 def plan_config(cfg, options: PlanOptions) -> MemoryPlan:
@@ -650,10 +649,7 @@ def suggest_fixes(cfg, options: PlanOptions, *, world: Optional[int] = None, gpu
             return False
 
     if optimizer == "adamw" and fits(cfg, "distributed"):
-        key = "optim.distributed=true" if hasattr(cfg.optim, "distributed") else (
-            "the distributed optimizer (optim.distributed, coming with issue 16; "
-            "`nemo-fp8rl-plan` shows it as the 'distributed' rows)")
-        out.append(key)
+        out.append("optim.distributed=true")
     p, m = cfg.parallel, cfg.model
     mbs = p.micro_batch_size // 2
     while mbs >= 1:
@@ -762,14 +758,6 @@ def memory_plan_setting(value) -> Optional[tuple[Optional[str], Optional[float]]
         return (value.strip().lower(), None)
     raise PlanError(f"launcher.memory_plan={value!r}: use a GPU name {sorted(GPUS_MIB)}, the GPU memory in GiB "
                     "(e.g. 94) or off")
-
-
-def main(argv: list[str], **kwargs) -> int:
-    """Transitional forward to :func:`nemo_fp8rl.launcher.memory_cli.main` (``nemo-fp8rl-plan``), for
-    ``nemo_fp8rl.launch.plan_main``, which imports it from here; remove once it imports ``memory_cli``."""
-    from nemo_fp8rl.launcher.memory_cli import main as cli_main
-
-    return cli_main(argv, **kwargs)
 
 
 __all__ = [

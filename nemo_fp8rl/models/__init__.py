@@ -2,20 +2,15 @@
 
 Entry points: :func:`build_actor` (what the trainer calls), :func:`init_distributed` /
 :func:`destroy_distributed`; Hugging Face checkpoints: :func:`resolve_model_config`,
-:func:`load_hf_policy`, :func:`save_hf_checkpoint` (:mod:`nemo_fp8rl.models.hf`).
+:func:`load_hf_policy`, :func:`save_hf_checkpoint` (:mod:`nemo_fp8rl.models.hf_config`, :mod:`~nemo_fp8rl.models.hf_load`, :mod:`~nemo_fp8rl.models.hf_save`).
 Importing this package imports megatron-core.
 """
 
 from nemo_fp8rl.models.actor import CHECKPOINT_FORMAT, FP8Actor, build_actor
 from nemo_fp8rl.models.gpt import build_gpt_model, make_transformer_config, padded_vocab_size
-from nemo_fp8rl.models.hf import (
-    HFCheckpointError,
-    load_hf_policy,
-    load_hf_weights,
-    resolve_model_config,
-    save_hf_checkpoint,
-    save_hf_state_dict,
-)
+from nemo_fp8rl.models.hf_config import HFCheckpointError, resolve_model_config
+from nemo_fp8rl.models.hf_load import load_hf_policy, load_hf_weights
+from nemo_fp8rl.models.hf_save import save_hf_checkpoint, save_hf_state_dict
 from nemo_fp8rl.models.logprobs import token_logprobs_from_logits, vocab_parallel_logprobs
 from nemo_fp8rl.models.parallel import destroy_distributed, init_distributed, validate_layout
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from nemo_fp8rl.algorithms.metrics import Metric, make_metric, reduce_metrics
 from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
 from nemo_fp8rl.models.cpu_schedules import cpu_pipeline_schedules
-from nemo_fp8rl.models.gpt import build_gpt_model, padded_vocab_size, resolve_model_fp8_backend
+from nemo_fp8rl.models.gpt import build_gpt_model, resolve_model_fp8_backend
 from nemo_fp8rl.models.hf_weights import (
     count_parameters,
     hf_names,
@@ -112,9 +112,7 @@ class FP8Actor:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self._pp_last_global = ps.get_pipeline_model_parallel_last_rank()
-        self._padded_vocab = padded_vocab_size(
-            model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, self.tp_size
-        )
+        self._padded_vocab = model_cfg.padded_vocab(self.tp_size)
         self._reference: Optional[dict[str, torch.Tensor]] = None
         self._reference_fp8: Optional[dict] = None
 

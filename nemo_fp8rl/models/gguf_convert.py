@@ -231,7 +231,7 @@ def convert_gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike)
     """Write the Hugging Face checkpoint of a Llama GGUF file into ``out_dir`` (created; must be empty).
 
     Every tensor is checked against the shapes our loader derives from the written config.json
-    (:func:`nemo_fp8rl.models.hf_weights.hf_shape`, via :func:`~nemo_fp8rl.models.hf.hf_config_to_model_fields`):
+    (:func:`nemo_fp8rl.models.hf_weights.hf_shape`, via :func:`~nemo_fp8rl.models.hf_config.hf_config_to_model_fields`):
     no tensor missing, none extra, none of another shape, all finite.
 
     Returns:
@@ -243,7 +243,7 @@ def convert_gguf_to_hf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike)
     from safetensors.torch import save_file
 
     from nemo_fp8rl.config.model import ModelConfig
-    from nemo_fp8rl.models.hf import hf_config_to_model_fields
+    from nemo_fp8rl.models.hf_config import hf_config_to_model_fields
     from nemo_fp8rl.models.hf_weights import hf_names, hf_shape
 
     gguf = _import_gguf()

@@ -176,10 +176,11 @@ def load_shard_state_dict(optimizer, sd: dict, where: str = "checkpoint") -> Non
 
 
 def resolve_distributed(distributed: Optional[bool], device: torch.device) -> bool:
-    """``optim.distributed``: None -> True for a CUDA model, False on CPU (see docs/megatron.md)."""
-    if distributed is None:
-        return torch.device(device).type == "cuda"
-    return bool(distributed)
+    """``optim.distributed`` for a model on ``device``: None -> True for a CUDA model, False on CPU
+    (:func:`~nemo_fp8rl.config.schema.resolve_distributed_optimizer`; see docs/megatron.md)."""
+    from nemo_fp8rl.config.schema import resolve_distributed_optimizer
+
+    return resolve_distributed_optimizer(distributed, torch.device(device).type == "cuda")
 
 
 __all__ = [

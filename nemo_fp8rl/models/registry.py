@@ -20,7 +20,7 @@ complete; a second fetch does no work. Fetches of one model are serialised with 
 one node may all ask at once). The cache is ``$NEMO_FP8RL_CACHE``, default ``~/.cache/nemo_fp8rl``.
 
 In config, ``model.hf_path: registry:NAME`` means "this registry model" (:func:`resolve_hf_path`,
-called by :func:`nemo_fp8rl.models.hf.resolve_model_config`): fetched on first use, then read from
+called by :func:`nemo_fp8rl.models.hf_config.resolve_model_config`): fetched on first use, then read from
 the cache (no network).
 """
 

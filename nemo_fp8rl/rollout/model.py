@@ -30,7 +30,7 @@ weight quantized (and dequantized) once at weight sync. As vLLM does when it qua
 checkpoint online, q/k/v and gate/up are *fused* before quantization (vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` hold one weight tensor and ``scaled_fp8_quant`` gives it one per-tensor
 scale), so a per-tensor scheme shares one scale across q, k and v. Embeddings, norms, attention
-scores/softmax and the LM head stay in high precision (DESIGN section 5).
+scores/softmax and the LM head stay in high precision (docs/design.md, "FP8").
 
 With ``gemm="torch"`` (the torch engine on a GPU whose trainer runs real FP8, ``fp8.backend`` torch or
 te) a linear whose scheme and shape torch can run keeps its weight as FP8 data + scales

@@ -100,30 +100,16 @@ from nemo_fp8rl.rollout.vllm_spmd import (
     check_group_agrees,
     keep_default_process_group,
     launcher_env,
-    rollout_share_layout,
 )
 from nemo_fp8rl.rollout.vllm_support import (
     FP8_ALTERNATIVE,
-    VLLM_FP8_SCHEMES,
     check_vllm_fp8_hardware,
     check_vllm_supported,
     scheme_name,
-    vllm_available,
 )
 from nemo_fp8rl.rollout.vllm_sync import iter_weight_buckets, sync_stream
 
-# VLLM_FP8_SCHEMES, check_vllm_*, vllm_available (vllm_support), iter_weight_buckets (vllm_sync) and
-# rollout_share_layout (vllm_spmd) stay importable from here, as before the split into those files
-__all__ = [
-    "BLOCK_FP8_QUANTIZATION_CONFIG",
-    "VLLM_FP8_SCHEMES",
-    "VllmEngine",
-    "check_vllm_fp8_hardware",
-    "check_vllm_supported",
-    "iter_weight_buckets",
-    "rollout_share_layout",
-    "vllm_available",
-]
+__all__ = ["BLOCK_FP8_QUANTIZATION_CONFIG", "VllmEngine"]
 
 BLOCK_FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 """``quantization_config`` written into the engine's config.json for ``vllm_block`` (DeepSeek-V3/Qwen3-FP8 layout)."""
@@ -246,7 +232,7 @@ class VllmEngine:
     def _build(self, model_cfg: Any, tp: int, max_num_seqs: int, gpu_memory_utilization: float,
                allow_weight_only_fp8: bool) -> None:
         """Write the model's config.json and build vLLM's ``LLM`` on it (collective when ``tp`` > 1)."""
-        from nemo_fp8rl.models.hf import model_config_to_hf_config
+        from nemo_fp8rl.models.hf_config import model_config_to_hf_config
 
         config = model_config_to_hf_config(model_cfg, dtype=str(self.dtype).removeprefix("torch."))
         if self.scheme_name == "vllm_block":

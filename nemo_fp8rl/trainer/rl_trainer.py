@@ -48,12 +48,12 @@ from nemo_fp8rl.algorithms import (
     rollout_correction,
 )
 from nemo_fp8rl.config.schema import TrainConfig
-from nemo_fp8rl.fp8.recipes import build_fp8_recipe
-from nemo_fp8rl.validation import validate
 from nemo_fp8rl.fp8 import collect_fp8_stats
+from nemo_fp8rl.fp8.recipes import build_fp8_recipe
 from nemo_fp8rl.trainer.calibration_pass import make_calibration_pass
 from nemo_fp8rl.trainer.checkpoint import CheckpointManager
 from nemo_fp8rl.trainer.logger import MetricsLogger
+from nemo_fp8rl.validation import validate
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class RLTrainer:
         from megatron.core import parallel_state as ps
 
         from nemo_fp8rl.models import build_actor, init_distributed
-        from nemo_fp8rl.models.hf import load_hf_policy, resolve_model_config
+        from nemo_fp8rl.models.hf_config import resolve_model_config
+        from nemo_fp8rl.models.hf_load import load_hf_policy
         from nemo_fp8rl.rollout import SamplingParams
         from nemo_fp8rl.tasks import get_task, task_class, task_kwargs
 
@@ -692,7 +693,7 @@ class RLTrainer:
             if self.ckpt.latest_step() != self.step_idx:
                 self.save_checkpoint(wait=True)
             if self.cfg.model.hf_path:  # the trained policy back in Hugging Face format
-                from nemo_fp8rl.models.hf import save_hf_checkpoint
+                from nemo_fp8rl.models.hf_save import save_hf_checkpoint
 
                 save_hf_checkpoint(self.actor, self.out / "hf")
             return last

@@ -71,7 +71,7 @@ def run_warmup(cfg: TrainConfig, model_cfg: ModelConfig, task) -> Optional[Dict[
     Writes ``<output_dir>/warmup.json`` (steps run, expected sampled accuracy, seconds, cache file).
     """
     from nemo_fp8rl.models import build_actor
-    from nemo_fp8rl.models.hf import load_hf_policy
+    from nemo_fp8rl.models.hf_load import load_hf_policy
 
     w = cfg.warmup
     if w.steps == 0:

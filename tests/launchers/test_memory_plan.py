@@ -290,14 +290,12 @@ def test_fp8_recipes_cost_weight_copies_and_save_activations():
 
 
 def test_config_optimizer_follows_optim_distributed():
-    """optim.distributed: true/false, or null = true on GPU and false on CPU; a schema without the key
-    (the actor before the distributed optimizer) is AdamW."""
+    """optim.distributed: true/false, or null = true on GPU and false on CPU."""
     from types import SimpleNamespace
 
     def cfg(**optim):
         return SimpleNamespace(optim=SimpleNamespace(**optim))
 
-    assert config_optimizer(cfg(), "gpu") == "adamw"
     assert config_optimizer(cfg(distributed=None), "gpu") == "distributed"
     assert config_optimizer(cfg(distributed=None), "cpu") == "adamw"
     assert config_optimizer(cfg(distributed=True), "cpu") == "distributed"

@@ -201,14 +201,14 @@ def test_trainer_resumes_an_old_per_rank_checkpoint(tmp_path):
     }
     old.ckpt.save(old.step_idx, st, model_fingerprint(old.cfg))
     want = [old.step() for _ in range(2)]  # the uninterrupted continuation
-    old.task.close()
+    old.close()  # the engine, the reward worker and the signal handlers it installed
     c = cfg(tmp_path / "old", 3)
     c.resume = True
     resumed = RLTrainer(c)
     resumed.setup()
     assert resumed.step_idx == 1
     got = [resumed.step() for _ in range(2)]
-    resumed.task.close()
+    resumed.close()
     strip = [{k: v for k, v in m.items() if not k.startswith("timing/")} for m in want]
     assert [{k: v for k, v in m.items() if not k.startswith("timing/")} for m in got] == strip
 

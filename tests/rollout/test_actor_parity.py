@@ -2,7 +2,7 @@
 
 - FP8 off everywhere: the engine's sampled-token log-probs equal the trainer's teacher-forced log-probs.
 - Training FP8 on, rollout ``vllm_w8a8``: they differ by the expected FP8 mismatch (~0.1 nat per token
-  here; DESIGN section 5), and the engine still equals the trainer's high-precision shadow forward
+  here; docs/design.md, "FP8"), and the engine still equals the trainer's high-precision shadow forward
   when its own scheme is off.
 - ``same_as_train`` reproduces the trainer's FP8 forward exactly on the same batch; in cached decoding
   per-tensor activation scales see other tokens than in the trainer's full forward, so they differ.

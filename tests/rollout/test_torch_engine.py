@@ -398,7 +398,7 @@ def test_sync_requantizes_fused_weights_per_tensor():
 
 # ----------------------------------------------------------------------------- FP8 mismatch
 def test_fp8_rollout_logp_differs_from_high_precision_by_a_plausible_amount():
-    """Same weights, same tokens: scheme off vs FP8 schemes. DESIGN section 5 measured per-token noise
+    """Same weights, same tokens: scheme off vs FP8 schemes. docs/fp8-noise.md gives the measured per-token noise
     std ~0.2 for E4M3 on a toy stack; here we require it to be clearly nonzero and well below 1 nat."""
     cfg = ModelConfig(vocab_size=16, num_layers=3, hidden_size=128, num_attention_heads=4, ffn_hidden_size=384)
     sd = random_hf_weights(cfg, seed=11, logit_scale=6.0)
