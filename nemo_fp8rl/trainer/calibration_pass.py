@@ -64,7 +64,7 @@ class CalibrationPass(NoCalibration):
 
     Args:
         calibrator: the controller (its state is what checkpoints hold).
-        actor: the :class:`~nemo_fp8rl.models.actor.MegatronActor` (shadow forwards, DP group, PP broadcast).
+        actor: the :class:`~nemo_fp8rl.models.actor.FP8Actor` (shadow forwards, DP group, PP broadcast).
         temperature: the sampling temperature the log-probs are computed at.
     """
 
