@@ -150,8 +150,8 @@ def real_section(study: Path, meta: dict, figs: Path, last: int) -> list[str]:
         for arm in (("bf16",) if cond == "e5m2_2xlr" else ()) + ("fp8", "fp8_calibrated"):
             rows.append((f"{label} / {arm}", collect(study, f"real/{cond}/{arm}/seed*", last)))
     parts = ["## Real model (SmolLM2-135M)", "",
-             f"Command: `python benchmarks/study/run_study.py --out {study} --only real --real-steps {steps}` "
-             "(`--real-seeds`, default 1,2). SmolLM2-135M-Instruct (`model=smollm2_135m`, the registry's Q4_1 GGUF "
+             f"Command: `python benchmarks/study/run_study.py --out {study} --only real --real-steps {steps}"
+             f"{_real_flags(study)} --jobs 2`. SmolLM2-135M-Instruct (`model=smollm2_135m`, the registry's Q4_1 GGUF "
              "decoded to float32) on reasoning-gym `chain_sum` (2-3 terms of 1-2 digits, prompts through the "
              "model's chat template), the settings of `make demo-real` (`nemo_fp8rl.demo.REAL`): a short "
              "supervised warm-up that teaches the `<answer>` format (zero-shot the model never writes it, so "
@@ -180,6 +180,17 @@ def real_section(study: Path, meta: dict, figs: Path, last: int) -> list[str]:
             if samples:
                 parts += [samples.replace("### Sample generations", f"### Sample generations: {cond}, seed 1", 1), ""]
     return parts
+
+
+def _real_flags(study: Path) -> str:
+    """The ``--real-seeds/--real-recipes/--real-stress-seeds`` flags that planned the real runs present."""
+    def seeds(pattern: str) -> str:
+        return ",".join(sorted({p.name.removeprefix("seed") for p in study.glob(pattern)}, key=int))
+
+    recipes = [r for r in ("tensorwise", "blockwise", "delayed", "rowwise", "mxfp8")
+               if any((study / "real" / r).glob("fp8*/seed*"))]
+    return (f" --real-seeds {seeds('real/bf16/seed*')} --real-recipes {','.join(recipes)}"
+            f" --real-stress-seeds {seeds('real/e5m2_2xlr/fp8/seed*')}")
 
 
 def _sections(text: str) -> list[tuple[str, str]]:
