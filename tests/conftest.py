@@ -1,12 +1,14 @@
 """Markers: ``gpu`` (needs CUDA), ``slurm`` (needs a running SLURM), ``slow`` (opt-in with --run-slow)."""
 
+import importlib.util
 import os
 import shutil
+import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
-
 
 
 def _test_threads() -> int:
@@ -43,6 +45,82 @@ def _no_process_group_across_modules():
     from nemo_fp8rl.models.parallel import destroy_distributed
 
     destroy_distributed()
+
+
+def _trainer_cli():
+    """tests/trainer/_cli.py (the real training CLI in a subprocess with tiny sizes), loaded by path."""
+    spec = importlib.util.spec_from_file_location("_trainer_cli", Path(__file__).parent / "trainer" / "_cli.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class DemoRuns:
+    """The demo's three arms trained once each through the real CLI, on first use (``demo_runs[arm]`` is
+    the run directory ``<root>/<arm>``; ``demo_runs.stderr(arm)`` what the CLI printed). The settings are
+    ``tests/trainer/_cli.py``'s :func:`demo_overrides`. The runs are shared: read them, or copy one
+    (``shutil.copytree``) before resuming, extending or otherwise writing to it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.warmup_cache = root / ".warmup_cache"
+        """The arms' warm-up cache (``warmup.cache_dir=``): a run of the same model and task reuses it."""
+        self._stderr: dict[str, str] = {}
+
+    def __getitem__(self, arm: str) -> Path:
+        if arm not in self._stderr:
+            cli = _trainer_cli()
+            self._stderr[arm] = cli.run_cli(self.root / arm, *cli.demo_overrides(arm)).stderr
+        return self.root / arm
+
+    def stderr(self, arm: str) -> str:
+        self[arm]
+        return self._stderr[arm]
+
+
+@pytest.fixture(scope="session")
+def demo_runs(tmp_path_factory) -> DemoRuns:
+    """bf16, fp8 and fp8_calibrated on the tiny model (``make demo``'s arms at test size), each trained by
+    the CLI at most once per session and only if a test asks for it; the arms share one warm-up cache."""
+    return DemoRuns(tmp_path_factory.mktemp("demo"))
+
+
+TRAINER_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+class TrainerCloser:
+    """``close_trainer(trainer)`` tears down an ``RLTrainer`` that was built but never ran ``fit`` (``fit``
+    closes it on every exit): ``trainer.close()``, then checks that the signal handlers the trainer installed
+    are gone. ``close_trainer.check()`` asserts that no trainer is open (the handlers are the starting ones)."""
+
+    def __init__(self) -> None:
+        self.saved = {s: signal.getsignal(s) for s in TRAINER_SIGNALS}
+
+    def __call__(self, trainer) -> None:
+        trainer.close()
+        self.check()
+
+    def left_installed(self) -> dict:
+        return {s: h for s, h in ((s, signal.getsignal(s)) for s in TRAINER_SIGNALS) if h != self.saved[s]}
+
+    def check(self) -> None:
+        left = self.left_installed()
+        assert not left, f"signal handlers left installed by a trainer that was not closed: {left}"
+
+    def restore(self) -> None:
+        for s, h in self.saved.items():
+            signal.signal(s, h)
+
+
+@pytest.fixture
+def close_trainer():
+    """A :class:`TrainerCloser`; at the end of the test the signal handlers must be the starting ones (a
+    trainer left open fails the test; ``signal.signal`` puts the starting handlers back either way)."""
+    closer = TrainerCloser()
+    yield closer
+    left = closer.left_installed()
+    closer.restore()
+    assert not left, f"signal handlers left installed by a trainer that was not closed: {left}"
 
 
 def pytest_addoption(parser):

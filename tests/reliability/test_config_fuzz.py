@@ -77,13 +77,14 @@ def compose():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides=override_sets())
-def test_fuzzed_overrides_start_or_fail_clearly(compose, tmp_path_factory, overrides):
+def test_fuzzed_overrides_start_or_fail_clearly(compose, tmp_path_factory, close_trainer, overrides):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from nemo_fp8rl.train import to_train_config
     from nemo_fp8rl.trainer import RLTrainer
 
+    close_trainer.check()  # no earlier example left a trainer open
     out = tmp_path_factory.mktemp("fuzz")
     keys = [o.split("=", 1)[0] for o in overrides]
     try:
@@ -94,8 +95,10 @@ def test_fuzzed_overrides_start_or_fail_clearly(compose, tmp_path_factory, overr
     try:
         cfg = to_train_config(dict_cfg)
         trainer = RLTrainer(cfg)  # the run starts: model, rollout engine, task, calibration
-        trainer.check_run_dir()
-        trainer.task.close()
+        try:
+            trainer.check_run_dir()
+        finally:  # built, never fit: its signal handlers and task are torn down here (the fixture checks)
+            close_trainer(trainer)
     except (ConfigError, ValueError) as e:
         msg = str(e)
         named = re.findall(r"[a-z_0-9]+\.[a-z_0-9.]+", msg)

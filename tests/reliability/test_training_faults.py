@@ -13,32 +13,27 @@ from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.trainer import RLTrainer, StopTraining, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "trainer"))
-from _cli import TINY, metrics, run_cli, strip_timing  # noqa: E402
-
-ARM = ["fp8=tensorwise", "calibration=paper", "calibration.interval=2", "calibration.min_tokens=4",
-       "algorithm.old_logprobs=rollout"]
+from _cli import DEMO_STEPS, TINY, demo_overrides, metrics, run_cli, strip_timing  # noqa: E402
 
 
-def test_kill9_mid_run_then_resume_keeps_every_step_once(tmp_path):
-    ref, out = tmp_path / "ref", tmp_path / "run"
-    run_cli(ref, *ARM, "trainer.max_steps=6", "trainer.checkpoint_interval=2", "logger.tensorboard=true")
-    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *TINY, *ARM, f"output_dir={out}",
-           f"warmup.cache_dir={tmp_path / '.warmup_cache'}", "trainer.max_steps=6",
-           "trainer.checkpoint_interval=2", "logger.tensorboard=true"]
+def test_kill9_mid_run_then_resume_keeps_every_step_once(demo_runs, tmp_path):
+    """The demo's fp8_calibrated arm (tests/conftest.py: 4 steps, checkpoints at 2 and 4) killed with
+    SIGKILL between the two checkpoints and resumed equals the uninterrupted arm, each step logged once."""
+    arm = [*demo_overrides("fp8_calibrated"), "logger.tensorboard=true", f"warmup.cache_dir={demo_runs.warmup_cache}"]
+    ref, out = demo_runs["fp8_calibrated"], tmp_path / "run"
+    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *TINY, f"output_dir={out}", *arm]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
-    while time.time() < deadline:  # kill after step 3 was logged: past checkpoint 2, before 4
+    while time.time() < deadline:  # kill after step 3 was logged: past checkpoint 2, before 4 (the last step)
         if (out / "metrics.jsonl").exists() and len(read_metrics(str(out))) >= 3:
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    logged = len(read_metrics(str(out)))
-    assert logged >= 3
-    run_cli(out, *ARM, "trainer.max_steps=6", "trainer.checkpoint_interval=2", "logger.tensorboard=true",
-            "resume=true")
+    assert len(read_metrics(str(out))) >= 3 and (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    run_cli(out, *arm, "resume=true")
     recs = metrics(out)
-    assert [r["step"] for r in recs] == list(range(6)), "each step exactly once"
+    assert [r["step"] for r in recs] == list(range(DEMO_STEPS)), "each step exactly once"
     assert strip_timing(recs) == strip_timing(metrics(ref)), "the resumed trajectory equals the uninterrupted one"
     # TensorBoard: purged on resume, so no step is shown twice
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -46,7 +41,7 @@ def test_kill9_mid_run_then_resume_keeps_every_step_once(tmp_path):
     ea = EventAccumulator(str(out / "tb"))
     ea.Reload()
     steps = [e.step for e in ea.Scalars("reward/mean")]
-    assert steps == list(range(6)), steps
+    assert steps == list(range(DEMO_STEPS)), steps
 
 
 def _tiny_cfg(out, **trainer):
@@ -77,7 +72,7 @@ def _nan_on(trainer: RLTrainer, steps):
     trainer.policy_loss = loss
 
 
-def test_nonfinite_updates_are_skipped_and_counted(tmp_path):
+def test_nonfinite_updates_are_skipped_and_counted(tmp_path, close_trainer):
     tr = RLTrainer(_tiny_cfg(tmp_path / "a", max_steps=4, max_consecutive_skips=3))
     tr.setup()
     _nan_on(tr, {1, 2})
@@ -92,7 +87,7 @@ def test_nonfinite_updates_are_skipped_and_counted(tmp_path):
     tr.step()
     m3 = tr.step()
     assert m3["train/skipped"] == 0 and m3["train/skipped_steps"] == 2 and tr.consecutive_skips == 0
-    tr.task.close()
+    close_trainer(tr)  # stepped by hand, never through fit
 
 
 def test_repeated_nonfinite_updates_stop_with_a_checkpoint(tmp_path):

@@ -13,6 +13,23 @@ TINY = [
 ]
 
 
+# The demo's three arms (nemo_fp8rl/demo.py: same seed and settings, differing only in precision and
+# clipping) at test size: 4 RL steps, checkpoints at steps 2 and 4, calibration every 2 steps from 4 tokens,
+# sample generations at the demo's first/middle/last steps (0, 1, 3), two per step. tests/conftest.py's
+# ``demo_runs`` trains each arm once per session; the tests that need a trained run read those.
+DEMO_STEPS = 4
+
+
+def demo_overrides(arm: str, recipe: str = "tensorwise") -> list[str]:
+    """``make demo``'s overrides of ``arm`` (bf16 | fp8 | fp8_calibrated), at the size of these tests."""
+    from nemo_fp8rl.demo import ARMS, COMMON, sample_steps
+
+    return [o.format(recipe=recipe) for o in ARMS[arm]] + COMMON + [
+        f"trainer.max_steps={DEMO_STEPS}", "trainer.checkpoint_interval=2", "calibration.interval=2",
+        "calibration.min_tokens=4", sample_steps(DEMO_STEPS), "logger.samples_per_step=2",
+    ]
+
+
 def run_cli(out: Path, *overrides: str, check: bool = True, timeout: int = 300, env_extra=None):
     cmd = [sys.executable, "-m", "nemo_fp8rl.train", *TINY, f"output_dir={out}",
            f"warmup.cache_dir={out.parent / '.warmup_cache'}", *overrides]
@@ -30,3 +47,27 @@ def metrics(out: Path) -> list[dict]:
 def strip_timing(recs: list[dict]) -> list[dict]:
     """Metrics without wall-clock timings (the part of a trajectory that must be reproducible)."""
     return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in recs]
+
+
+def train_in_process(out: Path, *overrides: str) -> dict:
+    """What ``run_cli(out, *overrides)`` runs, in this process: Hydra composes ``conf/`` with the same
+    overrides, then ``nemo_fp8rl.train``'s own ``to_train_config``, ``prepare`` and ``fit`` (the code the CLI
+    calls). Returns the last step's metrics. ``prepare`` sets torch's thread count from
+    ``trainer.cpu_threads``; the test process gets its own back afterwards."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemo_fp8rl.train import CONF_DIR, prepare, register_schema, to_train_config
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    threads = torch.get_num_threads()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            dict_cfg = compose("config", overrides=[*TINY, f"output_dir={out}",
+                                                    f"warmup.cache_dir={out.parent / '.warmup_cache'}", *overrides])
+        return prepare(to_train_config(dict_cfg)).fit()
+    finally:
+        GlobalHydra.instance().clear()
+        torch.set_num_threads(threads)

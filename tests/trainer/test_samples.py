@@ -10,15 +10,15 @@ from nemo_fp8rl.validation import validate
 from nemo_fp8rl.report import make_report, pick_sample_steps
 from nemo_fp8rl.trainer.logger import MetricsLogger
 
-from ._cli import metrics, run_cli
+from ._cli import DEMO_STEPS, metrics, run_cli
 
 
-def test_cli_writes_decoded_samples_and_report_shows_them(tmp_path):
-    out = tmp_path / "run"
-    # TINY: 4 prompts x 4 responses, arithmetic task with format_reward 0.5
-    run_cli(out, "trainer.max_steps=4", "logger.samples=[0,2,3]", "logger.samples_per_step=2")
+def test_cli_writes_decoded_samples_and_report_shows_them(demo_runs, tmp_path):
+    # the demo's bf16 arm (tests/conftest.py): TINY's 4 prompts x 4 responses, arithmetic task with format
+    # reward 0.5, 4 steps; the demo's logger.samples (first, middle, last step: 0, 1, 3), 2 per step
+    out = demo_runs["bf16"]
     recs = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [0, 0, 2, 2, 3, 3]
+    assert [r["step"] for r in recs] == [0, 0, 1, 1, 3, 3]
     for r in recs:
         assert set(r) == {"step", "prompt", "question", "answer", "response", "reward", "correct", "invalid"}
         # the prompt as the model saw it: BOS + "aaa+bbb=" (the question) for the character tokenizer
@@ -30,12 +30,12 @@ def test_cli_writes_decoded_samples_and_report_shows_them(tmp_path):
         assert r["reward"] == (1.0 if r["correct"] else 0.0 if r["invalid"] else 0.5)
     # two samples of one step come from two different prompts (the first response of each group)
     assert recs[0]["question"] != recs[1]["question"]
-    assert len(metrics(out)) == 4
+    assert len(metrics(out)) == DEMO_STEPS
 
     rep = make_report([str(out)], str(tmp_path / "report"))
     summary = (rep / "summary.md").read_text()
     assert "## Sample generations" in summary
-    assert "Step 0:" in summary and "Step 2:" in summary and "Step 3:" in summary
+    assert "Step 0:" in summary and "Step 1:" in summary and "Step 3:" in summary
     assert f"question: {recs[-1]['question']}" in summary
 
 
