@@ -234,7 +234,7 @@ def test_a_readable_checkpoint_is_checked_before_submission(tmp_path):
 
 
 def test_launcher_package_imports_no_hydra_and_nothing_heavy():
-    """DESIGN.md section 2: only the CLI entry points import Hydra; importing the launcher is cheap."""
+    """docs/design.md, "Layout": only the CLI entry points import Hydra; importing the launcher is cheap."""
     import subprocess
     import sys
 

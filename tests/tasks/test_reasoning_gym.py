@@ -109,7 +109,8 @@ def test_reshard_continues_after_every_served_problem(k_old, k_new):
 
 
 def test_reward_matches_reasoning_gyms_scorer():
-    t = get_task("reasoning_gym", dataset="chain_sum", seed=11, format_reward=0.25)
+    # a generous timeout: the first call imports reasoning_gym in the reward worker (seconds on a loaded machine)
+    t = get_task("reasoning_gym", dataset="chain_sum", seed=11, format_reward=0.25, reward_timeout_s=120.0)
     try:
         ps = t.prompts(3)
         right, wrong = ps[0].answer, str(int(ps[1].answer) + 1)

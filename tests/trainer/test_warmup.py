@@ -32,7 +32,7 @@ def test_stops_at_target_and_caches(tmp_path):
     run_warmup(cfg2, tr.model_cfg, tr.task)
     info2 = json.loads((tmp_path / "b" / "warmup.json").read_text())
     assert info2["steps"] == 6 and info2["cached"] is False  # no target: all steps, checked at the end
-    tr.task.close()
+    tr.close()  # the engine, the reward worker and the signal handlers
 
 
 def test_expected_sampled_accuracy_is_the_probability_of_the_demonstration(tmp_path):
@@ -48,4 +48,4 @@ def test_expected_sampled_accuracy_is_the_probability_of_the_demonstration(tmp_p
                 p *= float(logp[b, t].exp())
         logits_p.append(p)
     assert abs(expected_sampled_accuracy(tr.actor, tokens, mask.float()) - sum(logits_p) / 8) < 1e-9
-    tr.task.close()
+    tr.close()
