@@ -14,15 +14,7 @@ The train CLI, the launcher, the memory planner and the trainer all call :func:`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from nemo_fp8rl.config.schema import ConfigError, TrainConfig, check_values
-
-
-def _choice(key: str, value: object, options: Iterable[str]) -> None:
-    options = list(options)
-    if value not in options:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of {options}")
+from nemo_fp8rl.config.schema import ConfigError, TrainConfig, check_choice, check_values
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -37,10 +29,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     from nemo_fp8rl.rollout.vllm_support import check_rollout_config
 
     check_values(cfg)
-    _choice("algorithm.rollout_correction", cfg.algorithm.rollout_correction, ROLLOUT_CORRECTION_MODES)
-    _choice("calibration.upper_mode", cfg.calibration.upper_mode, UPPER_MODES)
+    check_choice("algorithm.rollout_correction", cfg.algorithm.rollout_correction, ROLLOUT_CORRECTION_MODES)
+    check_choice("calibration.upper_mode", cfg.calibration.upper_mode, UPPER_MODES)
     check_fp8_config(cfg)
-    _choice("rollout.fp8.scheme", cfg.rollout.fp8.scheme, ROLLOUT_SCHEMES)
+    check_choice("rollout.fp8.scheme", cfg.rollout.fp8.scheme, ROLLOUT_SCHEMES)
     check_rollout_config(cfg)
     return cfg
 

@@ -367,7 +367,9 @@ class TrainConfig:
     stability: StabilityConfig = field(default_factory=StabilityConfig)
 
 
-def _choice(key: str, value, options: List[str]) -> None:
+def check_choice(key: str, value, options) -> None:
+    """Raise :class:`ConfigError` naming ``key`` unless ``value`` is one of ``options`` (any iterable of names)."""
+    options = list(options)
     if value not in options:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of {options}")
 
@@ -376,7 +378,7 @@ def _choice(key: str, value, options: List[str]) -> None:
 def _resolve_fp8_backend_key(f: Fp8Config) -> None:
     """Check ``fp8.backend`` and fold the deprecated ``fp8.use_te`` into it (one name per concept)."""
     if f.backend is not None:
-        _choice("fp8.backend", f.backend, ["emulate", "torch", "te"])
+        check_choice("fp8.backend", f.backend, ["emulate", "torch", "te"])
     if f.use_te is not None:
         implied = "te" if f.use_te else "emulate"
         if f.backend is not None and f.backend != implied and not (f.backend == "torch" and not f.use_te):
@@ -414,10 +416,10 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
             f"algorithm.minibatches_per_step={a.minibatches_per_step} must divide the batch "
             f"(prompts_per_step x group_size = {batch})"
         )
-    _choice("algorithm.kl_type", a.kl_type, ["k1", "k2", "k3"])
-    _choice("algorithm.agg_mode", a.agg_mode,
+    check_choice("algorithm.kl_type", a.kl_type, ["k1", "k2", "k3"])
+    check_choice("algorithm.agg_mode", a.agg_mode,
             ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-    _choice("algorithm.old_logprobs", a.old_logprobs, ["recompute", "rollout"])
+    check_choice("algorithm.old_logprobs", a.old_logprobs, ["recompute", "rollout"])
     if a.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0")
     if a.tis_cap <= 0 or not (0 < a.icepop_low < a.icepop_high):
@@ -495,18 +497,18 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
     if o.distributed is not None and not isinstance(o.distributed, bool):
         raise ConfigError(f"optim.distributed={o.distributed!r} must be true, false or null (null = true on GPU, "
                           "false on CPU)")
-    _choice("logger.progress", cfg.logger.progress, ["auto", "bar", "lines", "none"])
+    check_choice("logger.progress", cfg.logger.progress, ["auto", "bar", "lines", "none"])
     if any(not isinstance(k, int) or k < 0 for k in cfg.logger.samples) or cfg.logger.samples_per_step < 1:
         raise ConfigError(f"logger.samples={list(cfg.logger.samples)} must list step numbers >= 0 (e.g. "
                           f"logger.samples=[0,10,19]) and logger.samples_per_step={cfg.logger.samples_per_step} be >= 1")
     st = cfg.stability
-    _choice("stability.action", st.action, ["warn", "stop", "none"])
+    check_choice("stability.action", st.action, ["warn", "stop", "none"])
     if st.patience < 1:
         raise ConfigError(f"stability.patience={st.patience} must be >= 1")
     if not (0 <= st.invalid_threshold < 1):
         raise ConfigError(f"stability.invalid_threshold={st.invalid_threshold} must be in [0, 1) "
                           "(the invalid-response rate above which a step counts as garbled)")
-    _choice("task.on_error", cfg.task.on_error, ["raise", "skip"])
+    check_choice("task.on_error", cfg.task.on_error, ["raise", "skip"])
     w = cfg.warmup
     if w.steps < 0 or w.batch_size < 1 or w.eval_interval < 1 or w.eval_size < 1:
         raise ConfigError("warmup.steps must be >= 0, warmup.batch_size, eval_interval and eval_size >= 1")

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_fp8rl.config.schema import ConfigError
+from nemo_fp8rl.config.schema import ConfigError, check_choice
 
 __all__ = [
     "FP8_ALTERNATIVE",
@@ -198,9 +198,7 @@ def check_rollout_config(cfg: Any) -> None:
     from nemo_fp8rl.rollout.base import rollout_engine_names
 
     r = cfg.rollout
-    engines = rollout_engine_names()
-    if r.engine not in engines:
-        raise ConfigError(f"rollout.engine={r.engine!r} is not valid; choose one of {engines}")
+    check_choice("rollout.engine", r.engine, rollout_engine_names())
     if not (isinstance(r.sync_bucket_mb, (int, float)) and math.isfinite(r.sync_bucket_mb) and r.sync_bucket_mb > 0):
         raise ConfigError(f"rollout.sync_bucket_mb={r.sync_bucket_mb!r} must be a number of MiB > 0 (default 512)")
     if not (isinstance(r.tensor_parallel_size, int) and r.tensor_parallel_size >= 1):
