@@ -24,8 +24,8 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from nemo_fp8rl.fp8.backends import FP8_BACKENDS, QuantizedOperand, scaled_gemm, torch_fp8_dtype, torch_gemm_support
-from nemo_fp8rl.fp8.quantize import Fp8Stats, compute_scale, fake_quantize, quantize
+from nemo_fp8rl.fp8.backends import FP8_BACKENDS, torch_gemm_support
+from nemo_fp8rl.fp8.quantize import Fp8Stats, compute_scale, fake_quantize
 from nemo_fp8rl.fp8.recipes import ROLES, Fp8Recipe
 
 logger = logging.getLogger(__name__)
@@ -201,111 +201,6 @@ class _Fp8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def quantize_operand_fp8(
-    t: torch.Tensor, role: str, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool
-) -> QuantizedOperand:
-    """FP8 data + scale-inverses of one GEMM operand whose reduction dimension is dim 1 (torch backend).
-
-    Same quantizer, arguments and delayed-scaling bookkeeping as :func:`quantize_operand` with
-    ``dim=1``, so ``result.dequantize()`` equals ``quantize_operand(t, role, 1, ...)`` bit for bit
-    (``dequant="scale_inv"``). t: [R, K] -> data [R, K] FP8 (contiguous), scale_inv as in
-    :class:`~nemo_fp8rl.fp8.backends.QuantizedOperand` (K a multiple of the block for 1-D blocks).
-    """
-    gran = recipe.granularity_for(role)
-    meta, scale = _delayed_scale(t, role, recipe, state)
-    data, scale_inv = quantize(
-        t, recipe.format_for(role), gran, dim=1, pow2_scales=recipe.pow2_scales, eps=recipe.amax_epsilon,
-        block=recipe.mx_block, scale=scale, stats=state.stats if state is not None else None,
-    )
-    if meta is not None and record:
-        meta.record_and_update(t.detach().abs().amax(), recipe, role)
-    if gran in ("tensor", "row"):
-        return QuantizedOperand(data.contiguous(), scale_inv, gran)
-    gran = (int(gran[0]), int(gran[1]))
-    if gran[0] == 1:  # [R, K/B, B] -> [R, K]; scale_inv [R, K/B, 1] -> [R, K/B]
-        return QuantizedOperand(data.reshape(data.shape[0], -1).contiguous(), scale_inv[..., 0], gran)
-    rr, cc, br, bc = data.shape  # tiles [R/B, K/B, B, B] -> [R, K]; scale_inv [R/B, K/B, 1, 1] -> [R/B, K/B]
-    return QuantizedOperand(data.permute(0, 2, 1, 3).reshape(rr * br, cc * bc).contiguous(), scale_inv[..., 0, 0], gran)
-
-
-def _pad_rows_to(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad dim 1 of a 2-D tensor to a multiple of ``multiple`` (zeros change no amax and no sum)."""
-    pad = (-t.shape[1]) % multiple
-    return torch.nn.functional.pad(t, (0, pad)) if pad else t
-
-
-def _gemm_out_dtype(x_dtype: torch.dtype) -> torch.dtype:
-    return x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
-class _Fp8TorchLinearFn(torch.autograd.Function):
-    """The three GEMMs of :class:`_Fp8LinearFn` on torch's FP8 kernels (``backends.scaled_gemm``).
-
-    forward y = Q(x) Q(W)^T; dgrad dx = Q(dy) Q(W) (W quantized along N, or the forward's W reused for
-    per-tensor scales and 2-D tiles); wgrad dW = Q(dy)^T Q(x), both quantized along the tokens, which
-    are zero-padded to a multiple of 16 (128 for blockwise): the reduction dimension of that GEMM.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool):
-        x2 = x.reshape(-1, x.shape[-1])
-        out_dtype = _gemm_out_dtype(x.dtype)
-        xq = quantize_operand_fp8(x2, "input", recipe, state, record)
-        wq = quantize_operand_fp8(weight, "weight", recipe, state, record)
-        y = scaled_gemm(xq, wq, out_dtype, fast_accum=recipe.accumulation == "fast").float()
-        if bias is not None:
-            y = y + bias.float()
-        per_tensor = recipe.granularity_for("input") == "tensor" and recipe.wgrad_fp8
-        weight_tiles = recipe.granularity_for("weight") not in ("row", "mx")
-        # Same reuse as the emulation: per-tensor inputs and 2-D weight tiles are kept in FP8 for backward.
-        ctx.save_for_backward(
-            xq.data if per_tensor else x2, xq.scale_inv if per_tensor else None,
-            wq.data if weight_tiles else weight, wq.scale_inv if weight_tiles else None,
-        )
-        ctx.reuse_x, ctx.reuse_w, ctx.has_bias = per_tensor, weight_tiles, bias is not None
-        ctx.gran_w = wq.granularity
-        ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype = recipe, state, x.shape, x.dtype
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x_saved, x_sinv, w_saved, w_sinv = ctx.saved_tensors
-        recipe, state = ctx.recipe, ctx.state
-        g = grad_y.reshape(-1, grad_y.shape[-1]).float()
-        out_dtype = _gemm_out_dtype(ctx.x_dtype)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            gq = quantize_operand_fp8(g, "grad_output", recipe, state, record=True)  # [M, N] along N
-            if ctx.reuse_w:
-                wq_t = QuantizedOperand(w_saved, w_sinv, ctx.gran_w).t()  # W^T [K, N]
-            else:
-                wq_t = quantize_operand_fp8(w_saved.t(), "weight", recipe, state, record=False)
-            grad_x = scaled_gemm(gq, wq_t, out_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            if recipe.wgrad_fp8:
-                blockwise = isinstance(recipe.granularity_for("grad_output"), tuple)
-                mult = 128 if blockwise else 16
-                per_tensor_g = recipe.granularity_for("grad_output") == "tensor"
-                if per_tensor_g and ctx.needs_input_grad[0]:
-                    gq_w = gq.t()  # dy^T [N, M]
-                else:
-                    g_t = _pad_rows_to(g.t(), mult) if blockwise else g.t()
-                    gq_w = quantize_operand_fp8(g_t, "grad_output", recipe, state, record=not ctx.needs_input_grad[0])
-                if ctx.reuse_x:
-                    xq_w = QuantizedOperand(x_saved, x_sinv, "tensor").t()  # x^T [K, M]
-                else:
-                    x_t = _pad_rows_to(x_saved.t(), mult) if blockwise else x_saved.t()
-                    xq_w = quantize_operand_fp8(x_t, "input", recipe, state, record=False)
-                if not blockwise:
-                    gq_w, xq_w = gq_w.pad_reduction(mult), xq_w.pad_reduction(mult)
-                grad_w = scaled_gemm(gq_w, xq_w, torch.float32)
-            else:
-                grad_w = g.t() @ x_saved.float()
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None
-
-
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -330,6 +225,8 @@ def fp8_linear(
     """
     # Delayed-scaling history is recorded only by forwards that autograd records (training steps).
     if backend == "torch":
+        from nemo_fp8rl.fp8.torch_linear import _Fp8TorchLinearFn
+
         return _Fp8TorchLinearFn.apply(x, weight, bias, recipe, state, torch.is_grad_enabled())
     if backend != "emulate":
         raise ValueError(f"fp8_linear backend={backend!r}; use 'emulate' or 'torch' ('te' runs TE's own layers)")

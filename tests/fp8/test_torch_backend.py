@@ -24,7 +24,7 @@ from nemo_fp8rl.fp8.backends import (
     scaled_mm_args,
     torch_gemm_support,
 )
-from nemo_fp8rl.fp8.linear import quantize_operand_fp8
+from nemo_fp8rl.fp8.torch_linear import quantize_operand_fp8
 
 from tests._scaled_mm_reference import reference_kernel
 
