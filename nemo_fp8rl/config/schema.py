@@ -163,9 +163,12 @@ class CalibrationConfig:
     """Calibrated Clipping (docs/design.md, "Calibrated Clipping"). The ``off`` group disables it."""
 
     enabled: bool = False
-    """Run the BF16 shadow forwards at calibration steps."""
+    """Run the BF16 shadow forwards at calibration steps (before the step, per minibatch, and one after the
+    last update for the negative push ``calib/neg_push``)."""
     apply: bool = True
-    """Use the calibrated bounds (False: measure and log calib/ metrics only, bounds stay nominal)."""
+    """Use the calibrated bounds (False: measure and log calib/ metrics only, bounds stay nominal). False is
+    the only setting allowed with fp8=off: a BF16 run then logs its own calib/ metrics (the shadow forward
+    is the model itself), the reference of a study's FP8 arms."""
     interval: int = 20
     """Calibrate at step start_step, then every `interval` steps."""
     ema: float = 0.5
@@ -447,10 +450,13 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(
             f"calibration.upper_max={c.upper_max} must be >= 1 + algorithm.eps_high = {1 + a.eps_high:g}"
         )
-    if c.enabled and cfg.fp8.recipe in (None, "off"):
+    # calibration=measure (apply=false) is allowed in a BF16 run: the shadow forward is the model itself
+    # and the calib/ metrics (clipped share, negative push) are the BF16 reference of a study's FP8 arms
+    if c.enabled and c.apply and cfg.fp8.recipe in (None, "off"):
         raise ConfigError(
             "calibration is on but training FP8 is off (fp8=off): Calibrated Clipping corrects FP8 ratios; "
-            "choose an FP8 recipe (e.g. fp8=blockwise) or calibration=off"
+            "choose an FP8 recipe (e.g. fp8=blockwise), calibration=off, or calibration=measure (apply=false: "
+            "log BF16's own calib/ metrics, bounds nominal)"
         )
 
     m, p = cfg.model, cfg.parallel
