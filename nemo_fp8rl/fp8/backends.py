@@ -10,34 +10,52 @@ any other:
   torch's native scaled GEMM (``torch.nn.functional.scaled_mm``, or ``torch._scaled_mm`` on older torch),
   the route the paper's own stack took through TorchAO. What torch runs:
 
-  ============ ================================ ==================================== ==========
-  recipe       scaling type (A x B)              hardware                             notes
-  ============ ================================ ==================================== ==========
-  tensorwise   TensorWise x TensorWise          sm89+, and the CPU                   fp32/bf16 out
-  delayed      TensorWise x TensorWise          sm89+, and the CPU                   fp32/bf16 out
-  rowwise      RowWise x RowWise                sm89+                                bf16 out
-  blockwise    1x128 x 128x128 (fwd, dgrad),    sm90 (cuBLASLt block scaling)        bf16 out
-               1x128 x 1x128 (wgrad)
+  ============ ================================ ==================================== ===============
+  recipe       scaling type (A x B)              hardware                             output dtypes
+  ============ ================================ ==================================== ===============
+  tensorwise   TensorWise x TensorWise          sm89+, and the CPU                   fp32 / bf16
+  delayed      TensorWise x TensorWise          sm89+, and the CPU                   fp32 / bf16
+  rowwise      RowWise x RowWise                sm89+ (cuBLAS on sm90 with 12.9+,    fp32 on cuBLAS,
+                                                else torch's CUTLASS kernel)         bf16 on CUTLASS
+  blockwise    1x128 x 128x128 (fwd, dgrad),    sm90, cuBLAS >= 12.9                 fp32 / bf16
+               1x128 x 1x128 (wgrad);
+               E4M3 x E4M3 only
   mxfp8        BlockWise1x32 (E8M0)             sm100 only: emulated on Hopper        -
-  ============ ================================ ==================================== ==========
+  ============ ================================ ==================================== ===============
 
   Shape rules (torch's checks): the reduction dimension and the output columns are multiples of 16;
   blockwise needs in/out features that are multiples of 128. The token dimension is free: where it is
   the reduction dimension (wgrad) it is zero-padded to a multiple of 16 (128 for blockwise), which
-  changes neither an amax nor a sum. E5M2 x E5M2 has no kernel (``fp8_format=e5m2``). A layer whose
-  recipe or shape torch cannot run falls back to ``emulate`` and is counted by the converter.
+  changes neither an amax nor a sum; where it is the rows of a 1x128-scaled operand (forward, dgrad) it
+  is zero-padded to a multiple of 4 (:func:`scaled_mm_args`). E5M2 x E5M2 has no kernel
+  (``fp8_format=e5m2``). A layer whose recipe or shape torch cannot run falls back to ``emulate`` and is
+  counted by the converter.
+
+  Per GEMM (:func:`kernel_refusal`): torch's 1x128/128x128 ("DeepSeek") kernels take E4M3 x E4M3 only,
+  so under ``blockwise`` + ``hybrid`` the dgrad and wgrad GEMMs (an E5M2 gradient operand) run as a
+  float32 GEMM of the dequantized operands, the emulation's numbers, counted in
+  :func:`gemm_fallbacks` and logged once per reason; the forward GEMM stays on the kernel.
+
+  Output dtype (:func:`kernel_out_dtype`): a bf16/fp16 model gets its own dtype from the kernel. A
+  float32 request (a float32 model, and every wgrad: main grads are float32) gets float32 where the
+  kernel writes it: per-tensor scaling everywhere, row-wise and block-wise scaling on cuBLAS (sm90 with
+  cuBLAS >= 12.9, compiled and loaded: :func:`cublas_version`); elsewhere (torch's CUTLASS row-wise
+  kernel) bf16, returned as float32. A kernel that still refuses float32 is asked for bf16 from then on
+  (logged once). Bias: added by the kernel's epilogue for per-tensor and row-wise scaling when the
+  output is bf16/fp16 and the bias has that dtype (torch allows no bias with a float32 output); else
+  added to the output in its dtype. Fast accumulation: per-tensor and row-wise only (torch refuses it
+  with block scaling).
 * ``te``: Transformer Engine layers and autocast (``te.py``; GPU only).
 
 Default (``fp8.backend: null``): ``te`` when Transformer Engine imports on a GPU, else ``torch`` on an
 FP8-capable GPU (compute capability >= 8.9), else ``emulate``.
 
-Output dtype: a bf16 model gets bf16 GEMM outputs; a float32 model gets float32 outputs where the kernel
-offers them (per-tensor scaling) and bf16 rounded outputs otherwise (torch's row- and block-scaled
-kernels write bf16 only). This module imports only torch.
+This module imports only torch.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -47,6 +65,8 @@ import torch.nn.functional as F
 
 from nemo_fp8rl.fp8.formats import Fp8Format
 from nemo_fp8rl.fp8.recipes import Fp8Recipe
+
+logger = logging.getLogger(__name__)
 
 FP8_BACKENDS = ("emulate", "torch", "te")
 
@@ -215,15 +235,35 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _pad_rows(data: torch.Tensor, scale_inv: torch.Tensor, multiple: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Zero rows appended to data [M, K] (FP8) and rows of ones to its 1x128 scales [M, K/128] up to a
+    multiple of ``multiple``: the padded rows are zeros whatever their scale, the real rows are untouched."""
+    m = data.shape[0]
+    mp = -(-m // multiple) * multiple
+    if mp == m:
+        return data, scale_inv
+    d = torch.zeros(mp, data.shape[1], dtype=data.dtype, device=data.device)
+    d[:m] = data
+    sc = torch.ones(mp, scale_inv.shape[1], dtype=torch.float32, device=scale_inv.device)
+    sc[:m] = scale_inv
+    return d, sc
+
+
 def scaled_mm_args(a: QuantizedOperand, b: QuantizedOperand) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(mat_a, mat_b, scale_a, scale_b)`` in the layout torch's scaled GEMM takes for C = A @ B^T.
 
     mat_a = A.data [M, K] row-major; mat_b = B.data^T [K, N] column-major. Scales (float32, the
     scale-inverses: torch multiplies them in):
     tensor x tensor: [] and [];  row x row: [M, 1] and [1, N];
-    1x128 x 128x128: [M, K/128] column-major and [L4, N/128] with stride (1, L4), L4 = K/128 rounded up
+    1x128 x 128x128: [M4, K/128] column-major and [L4, N/128] with stride (1, L4), L4 = K/128 rounded up
     to a multiple of 4 (cuBLASLt's K-major tile layout; padding entries are 1);
-    1x128 x 1x128: [M, K/128] and [N, K/128], both column-major.
+    1x128 x 1x128: [M4, K/128] and [N, K/128], both column-major.
+
+    M4: a 1x128-scaled A gets M rounded up to a multiple of 4 (zero rows with scale 1, so mat_a is
+    [M4, K] and the result has M4 rows: :func:`scaled_gemm` keeps the first M). torch requires that scale
+    to be [M, K/128] with strides (1, M), and cuBLAS reads each column of it (one 128-block of K for
+    every row) from a 16-byte aligned address, which is why Transformer Engine allocates it with M
+    rounded up to 4; padding M itself satisfies both. B needs nothing: torch requires N % 16 == 0.
     """
     ga, gb = a.granularity, b.granularity
     mat_a, mat_b = a.data, b.data.t()
@@ -231,33 +271,192 @@ def scaled_mm_args(a: QuantizedOperand, b: QuantizedOperand) -> Tuple[torch.Tens
         return mat_a, mat_b, a.scale_inv.reshape(()).float(), b.scale_inv.reshape(()).float()
     if ga == "row" and gb == "row":
         return mat_a, mat_b, a.scale_inv.reshape(-1, 1).float().contiguous(), b.scale_inv.reshape(1, -1).float().contiguous()
-    if tuple(ga) == (1, 128) and tuple(gb) == (128, 128):
+    if tuple(ga) == (1, 128) and tuple(gb) in ((128, 128), (1, 128)):
+        mat_a, sa = _pad_rows(a.data, a.scale_inv.float(), 4)
+        if tuple(gb) == (1, 128):
+            return mat_a, mat_b, _col_major(sa), _col_major(b.scale_inv.float())
         kb = b.scale_inv.shape[1]
         l4 = -(-kb // 4) * 4
         buf = torch.ones(b.scale_inv.shape[0], l4, dtype=torch.float32, device=b.scale_inv.device)
         buf[:, :kb] = b.scale_inv
-        return mat_a, mat_b, _col_major(a.scale_inv.float()), buf.t()
-    if tuple(ga) == (1, 128) and tuple(gb) == (1, 128):
-        return mat_a, mat_b, _col_major(a.scale_inv.float()), _col_major(b.scale_inv.float())
+        return mat_a, mat_b, _col_major(sa), buf.t()
     raise ValueError(f"no torch scaled GEMM for operand granularities {ga} x {gb}")
 
 
-def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    """C [M, N] = A_hat @ B_hat^T on torch's FP8 GEMM (A [M, K], B [N, K] quantized along K).
+def _is_block(granularity) -> bool:
+    return isinstance(granularity, tuple)
 
-    ``out_dtype``: float32 or bfloat16 (row- and block-scaled kernels write bf16: a float32 request is
-    computed in bf16 and returned as float32). ``fast_accum``: Hopper's un-promoted accumulation
-    (forward GEMMs of per-tensor recipes, as Transformer Engine does); ignored on CPU.
+
+def kernel_refusal(a: QuantizedOperand, b: QuantizedOperand) -> Optional[str]:
+    """Why torch's scaled GEMM refuses to multiply these two operands (None: it takes them).
+
+    torch's rules by operand dtypes (aten's scaled-GEMM dispatch): E5M2 x E5M2 has no kernel at all;
+    the 1x128 / 128x128 block-scaled ("DeepSeek") kernels accept E4M3 x E4M3 only, so E5M2 gradients
+    (``fp8_format=hybrid``) cannot go to them ("Invalid scaling configuration"). Per-tensor and row-wise
+    scaling take E4M3 and E5M2 in either position.
     """
-    mat_a, mat_b, sa, sb = scaled_mm_args(a, b)
-    kernel_dtype = out_dtype
-    if a.granularity != "tensor" and out_dtype == torch.float32:
+    e4m3 = torch.float8_e4m3fn
+    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
+        return "E5M2 x E5M2: torch has no scaled GEMM for two E5M2 operands"
+    if (_is_block(a.granularity) or _is_block(b.granularity)) and (a.data.dtype != e4m3 or b.data.dtype != e4m3):
+        return ("1x128/128x128 block scaling with an E5M2 operand: torch's block-scaled kernels take E4M3 x E4M3 "
+                "only (fp8_format=hybrid gradients); this GEMM runs in float32 on the dequantized operands")
+    return None
+
+
+_GEMM_FALLBACKS: dict = {}
+
+
+def gemm_fallbacks() -> dict:
+    """``{reason: count}`` of the GEMMs :func:`scaled_gemm` ran in float32 because torch's kernel refuses
+    their operands (:func:`kernel_refusal`), since the process started (or :func:`reset_gemm_fallbacks`)."""
+    return dict(_GEMM_FALLBACKS)
+
+
+def reset_gemm_fallbacks() -> None:
+    _GEMM_FALLBACKS.clear()
+
+
+def _count_fallback(reason: str) -> None:
+    if reason not in _GEMM_FALLBACKS:
+        logger.warning("FP8 torch backend: %s (logged once; counted in backends.gemm_fallbacks())", reason)
+    _GEMM_FALLBACKS[reason] = _GEMM_FALLBACKS.get(reason, 0) + 1
+
+
+def _version_number(major_minor: str) -> Optional[int]:
+    """``"12.9"`` -> 120900 (cuBLAS's ``major * 10000 + minor * 100 + patch``); None if unreadable."""
+    try:
+        parts = [int(p) for p in major_minor.split(".")[:3]]
+    except ValueError:
+        return None
+    parts += [0] * (3 - len(parts))
+    return parts[0] * 10000 + parts[1] * 100 + parts[2]
+
+
+def _loaded_cublaslt_version() -> Optional[int]:
+    """``cublasLtGetVersion()`` of the libcublasLt this process loaded with torch's CUDA library (found in
+    /proc/self/maps, called through ctypes); None when it is not loaded or cannot be asked."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcublasLt" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            fn = ctypes.CDLL(path).cublasLtGetVersion
+            fn.restype = ctypes.c_size_t
+            return int(fn())
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+_CUBLAS_VERSION: list = []
+
+
+def cublas_version() -> Optional[int]:
+    """The cuBLAS(Lt) version torch's scaled GEMM works with, as ``major * 10000 + minor * 100 + patch``.
+
+    torch takes its cuBLAS paths only when both the cuBLAS it was compiled against (``CUBLAS_VERSION``;
+    read here from ``torch.version.cuda``, which the toolkit's cuBLAS matches in major.minor) and the
+    library loaded at run time (``cublasLtGetVersion()``) are new enough, so this is the smaller of the
+    two (the compiled one alone when the loaded library cannot be asked). None for a CPU-only torch.
+    Computed once per process.
+    """
+    if not _CUBLAS_VERSION:
+        compiled = _version_number(torch.version.cuda) if torch.version.cuda else None
+        loaded = _loaded_cublaslt_version() if compiled is not None else None
+        _CUBLAS_VERSION.append(min(v for v in (compiled, loaded) if v is not None) if compiled is not None else None)
+    return _CUBLAS_VERSION[0]
+
+
+def _device_facts(device) -> Tuple[bool, Optional[Tuple[int, int]], Optional[int]]:
+    """``(is_cuda, compute capability, cuBLAS version)`` of ``device`` (capability and version None on CPU)."""
+    if not _is_cuda(device) or not torch.cuda.is_available():
+        return False, None, None
+    return True, _capability(device), cublas_version()
+
+
+CUBLAS_SCALED_MIN = 120900  # cuBLAS 12.9: row-wise (outer-vector) and 1x128/128x128 block scaling modes
+
+
+def kernel_out_dtype(granularity, want: torch.dtype, is_cuda: bool, capability: Optional[Tuple[int, int]],
+                     cublas: Optional[int]) -> torch.dtype:
+    """The output dtype to ask torch's scaled GEMM for, to return ``want`` (bf16, fp16 or float32).
+
+    bf16/fp16: themselves (every kernel writes them). float32: per-tensor scaling -> float32 (cuBLAS and
+    the CPU kernel write it). Row-wise and block-wise scaling -> float32 only where torch runs them on
+    cuBLAS: compute capability 9.x and cuBLAS >= 12.9 (torch sends row-wise scaling to its CUTLASS
+    kernel on older cuBLAS, on sm89 and on sm100+; its block-scaled kernels exist only there); bf16
+    otherwise (the caller casts the bf16 result to float32).
+    """
+    if want != torch.float32 or granularity == "tensor":
+        return want
+    on_cublas = is_cuda and capability is not None and capability[0] == 9 and (cublas or 0) >= CUBLAS_SCALED_MIN
+    return torch.float32 if on_cublas else torch.bfloat16
+
+
+_FP32_REFUSED: dict = {}  # scaling kind -> the kernel's error, once a float32 request failed
+
+
+def _kernel_takes_bias(granularity, kernel_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> bool:
+    """torch's rule: a bias of the output's dtype (bf16 or fp16), never with a float32 output; used here for
+    per-tensor and row-wise scaling only (whether cuBLAS's block-scaled kernels have a bias epilogue is
+    not documented)."""
+    return (bias is not None and granularity in ("tensor", "row") and kernel_dtype in (torch.bfloat16, torch.float16)
+            and bias.dtype == kernel_dtype)
+
+
+def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype, fast_accum: bool = False,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """C [M, N] = A_hat @ B_hat^T (+ bias [N]) in ``out_dtype``, on torch's FP8 GEMM (A [M, K], B [N, K]
+    quantized along K; A_hat, B_hat their dequantized values).
+
+    ``out_dtype``: float32, bfloat16 or float16; the kernel is asked for :func:`kernel_out_dtype` and the
+    result cast when that differs. ``fast_accum``: Hopper's un-promoted accumulation (per-tensor and
+    row-wise scaling only; ignored for block scaling, which torch refuses, and on CPU). ``bias``: added
+    by the kernel where torch allows it (:func:`_kernel_takes_bias`), else added to the output in
+    ``out_dtype``. Operands torch refuses (:func:`kernel_refusal`) are multiplied in float32 from their
+    dequantized values instead, counted in :func:`gemm_fallbacks`.
+    """
+    why = kernel_refusal(a, b)
+    if why:
+        _count_fallback(why)
+        out = (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+        return out if bias is None else out + bias.to(out_dtype)
+    is_cuda, cap, cublas = _device_facts(a.data.device)
+    kind = "tensor" if a.granularity == "tensor" else ("row" if a.granularity == "row" else "block")
+    kernel_dtype = kernel_out_dtype(a.granularity, out_dtype, is_cuda, cap, cublas)
+    if kernel_dtype == torch.float32 and kind in _FP32_REFUSED:
         kernel_dtype = torch.bfloat16
-    out = scaled_mm_kernel(mat_a, mat_b, sa, a.granularity, sb, b.granularity, kernel_dtype, fast_accum)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    fast = fast_accum and not _is_block(a.granularity)
+    kbias = bias if _kernel_takes_bias(a.granularity, kernel_dtype, bias) else None
+    mat_a, mat_b, sa, sb = scaled_mm_args(a, b)
+    try:
+        out = scaled_mm_kernel(mat_a, mat_b, sa, a.granularity, sb, b.granularity, kernel_dtype, fast, bias=kbias)
+    except RuntimeError as e:
+        if kernel_dtype != torch.float32 or not is_cuda:
+            raise
+        # kernel_out_dtype promised float32 on this GPU and the kernel disagrees: bf16 from now on
+        _FP32_REFUSED[kind] = f"{type(e).__name__}: {e}"[:300]
+        logger.warning("FP8 torch backend: the %s-scaled kernel refused a float32 output (%s); asking for bf16 "
+                       "from now on (logged once)", kind, _FP32_REFUSED[kind])
+        kernel_dtype = torch.bfloat16
+        kbias = bias if _kernel_takes_bias(a.granularity, kernel_dtype, bias) else None
+        out = scaled_mm_kernel(mat_a, mat_b, sa, a.granularity, sb, b.granularity, kernel_dtype, fast, bias=kbias)
+    m = a.data.shape[0]
+    if out.shape[0] != m:
+        out = out[:m]
+    if out.dtype != out_dtype:
+        out = out.to(out_dtype)
+    if bias is not None and kbias is None:
+        out = out + bias.to(out_dtype)
+    return out
 
 
-def scaled_mm_kernel(mat_a, mat_b, scale_a, granularity_a, scale_b, granularity_b, out_dtype, fast_accum):
+def scaled_mm_kernel(mat_a, mat_b, scale_a, granularity_a, scale_b, granularity_b, out_dtype, fast_accum, bias=None):
     """torch's FP8 GEMM on arguments laid out by :func:`scaled_mm_args` (the one place torch is called).
 
     ``torch.nn.functional.scaled_mm`` where it exists (torch >= 2.10: explicit scaling types), else
@@ -265,9 +464,10 @@ def scaled_mm_kernel(mat_a, mat_b, scale_a, granularity_a, scale_b, granularity_
     """
     if _has_scaled_mm_v2():
         return F.scaled_mm(mat_a, mat_b, scale_a, _scaling_type(granularity_a), scale_b, _scaling_type(granularity_b),
-                           output_dtype=out_dtype, use_fast_accum=fast_accum)
+                           bias=bias, output_dtype=out_dtype, use_fast_accum=fast_accum)
     # torch < 2.10: torch_gemm_support refuses blockwise there
-    return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -305,6 +505,7 @@ def gemm_error_bound(a_hat: torch.Tensor, b_hat: torch.Tensor, out_dtype: torch.
 
 
 __all__ = [
-    "FP8_BACKENDS", "QuantizedOperand", "fp8_gpu", "gemm_error_bound", "resolve_fp8_backend", "scaled_gemm",
+    "FP8_BACKENDS", "QuantizedOperand", "cublas_version", "fp8_gpu", "gemm_error_bound", "gemm_fallbacks",
+    "kernel_out_dtype", "kernel_refusal", "reset_gemm_fallbacks", "resolve_fp8_backend", "scaled_gemm",
     "scaled_mm_args", "torch_fp8_dtype", "torch_gemm_support",
 ]

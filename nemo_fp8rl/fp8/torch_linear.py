@@ -4,6 +4,17 @@
 per-operand state, same recorded amaxes, same operand reuse between forward and backward) but hands
 the FP8 data and scale-inverses to ``backends.scaled_gemm`` instead of multiplying fake-quantized
 float32 values.
+
+Dtypes: a bf16 (fp16) input stays bf16 outside the GEMM's own accumulator. The forward GEMM writes the
+model dtype and adds the bias in its epilogue where torch allows it; the backward quantizes the output
+gradient from its own dtype; dgrad writes the model dtype; wgrad asks for float32 (main grads are
+float32), which the kernel writes where it can (``backends.kernel_out_dtype``). A GEMM whose operands
+torch's kernels refuse (blockwise with E5M2 gradients: dgrad and wgrad under ``fp8_format=hybrid``)
+runs in float32 on the dequantized operands, the emulation's numbers (``backends.kernel_refusal``).
+
+Accumulation: the forward GEMM uses fast (un-promoted) accumulation when :func:`forward_fast_accum`
+says so, dgrad and wgrad always accumulate in full precision (Transformer Engine's split: only the
+forward output tolerates the truncated sum; the gradients feed the optimizer).
 """
 
 from __future__ import annotations
@@ -52,7 +63,17 @@ def _pad_rows_to(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _gemm_out_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The model dtype for bf16/fp16 models, else float32 (what torch's scaled GEMM can write)."""
     return x_dtype if x_dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def forward_fast_accum(recipe: Fp8Recipe) -> bool:
+    """Whether the forward GEMM uses fast (un-promoted) accumulation: ``recipe.accumulation == "fast"``,
+    the setting the emulation models (14 significant bits per 32-term chunk), so both backends run the
+    same arithmetic. Transformer Engine and torchao turn it on in the forward GEMM by default; the recipe
+    does not yet (a recipe field for it is the recipe owner's call). dgrad and wgrad never use it, and
+    torch's block-scaled kernels refuse it (``backends.scaled_gemm`` drops it there)."""
+    return recipe.accumulation == "fast"
 
 
 class _Fp8TorchLinearFn(torch.autograd.Function):
@@ -69,9 +90,8 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
         out_dtype = _gemm_out_dtype(x.dtype)
         xq = quantize_operand_fp8(x2, "input", recipe, state, record)
         wq = quantize_operand_fp8(weight, "weight", recipe, state, record)
-        y = scaled_gemm(xq, wq, out_dtype, fast_accum=recipe.accumulation == "fast").float()
-        if bias is not None:
-            y = y + bias.float()
+        # the bias goes into the GEMM's epilogue where torch allows it, else it is added in out_dtype
+        y = scaled_gemm(xq, wq, out_dtype, fast_accum=forward_fast_accum(recipe), bias=bias)
         per_tensor = recipe.granularity_for("input") == "tensor" and recipe.wgrad_fp8
         weight_tiles = recipe.granularity_for("weight") not in ("row", "mx")
         # Same reuse as the emulation: per-tensor inputs and 2-D weight tiles are kept in FP8 for backward.
@@ -88,7 +108,7 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
     def backward(ctx, grad_y):
         x_saved, x_sinv, w_saved, w_sinv = ctx.saved_tensors
         recipe, state = ctx.recipe, ctx.state
-        g = grad_y.reshape(-1, grad_y.shape[-1]).float()
+        g = grad_y.reshape(-1, grad_y.shape[-1])  # quantized from its own dtype: no float copy
         out_dtype = _gemm_out_dtype(ctx.x_dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
@@ -97,7 +117,7 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
                 wq_t = QuantizedOperand(w_saved, w_sinv, ctx.gran_w).t()  # W^T [K, N]
             else:
                 wq_t = quantize_operand_fp8(w_saved.t(), "weight", recipe, state, record=False)
-            grad_x = scaled_gemm(gq, wq_t, out_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = scaled_gemm(gq, wq_t, out_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)  # .to: no-op unless float64
         if ctx.needs_input_grad[1]:
             if recipe.wgrad_fp8:
                 blockwise = isinstance(recipe.granularity_for("grad_output"), tuple)
@@ -117,7 +137,7 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
                     gq_w, xq_w = gq_w.pad_reduction(mult), xq_w.pad_reduction(mult)
                 grad_w = scaled_gemm(gq_w, xq_w, torch.float32)
             else:
-                grad_w = g.t() @ x_saved.float()
+                grad_w = g.t().float() @ x_saved.float()  # wgrad_fp8=False: the high-precision GEMM
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0)
+            grad_b = g.sum(0, dtype=torch.float32)
         return grad_x, grad_w, grad_b, None, None, None
