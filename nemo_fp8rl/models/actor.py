@@ -61,6 +61,30 @@ LossFn = Callable[..., "tuple[torch.Tensor, dict[str, Metric]]"]
 CHECKPOINT_FORMAT = "nemo_fp8rl.actor/1"
 
 
+# Token multiple of an FP8 recipe on Transformer Engine (per rank: see token_pad_multiple)
+_TE_FP8_TOKEN_MULTIPLE = {"blockwise": 128, "mxfp8": 32}
+_TE_FP8_TOKEN_MULTIPLE_DEFAULT = 16
+
+
+def token_pad_multiple(tp_size: int, sequence_parallel: bool, te_fp8_scaling: Optional[str]) -> int:
+    """The multiple every microbatch's sequence length T is right-padded to before the forward.
+
+    Sequence parallelism splits the T of a [T, b, h] activation over the TP ranks: T % tp == 0.
+    FP8 on Transformer Engine (``te_fp8_scaling``: the recipe's scaling, None without TE FP8): TE's
+    linears require the tokens of their input, prod(shape[:-1]) = (T / tp under SP, else T) * b, to be a
+    multiple of 8 (``assert_dim_for_fp8_exec``); the wgrad GEMM reduces over those tokens, and FP8 GEMMs
+    want that reduction dimension a multiple of 16, so the per-rank T is padded to m = 16 (NeMo RL's
+    choice); m = 128 for ``blockwise`` (TE's 1x128 quantizer needs whole blocks of tokens to all-gather
+    under SP in FP8, else it gathers in high precision with a warning) and m = 32 for ``mxfp8`` (TE
+    2.8's MXFP8 tensors need both dims multiples of 32). Result: m * tp under SP, else m; without TE FP8
+    tp under SP, else 1. Padding T (not b) keeps every microbatch, a short last one included, legal.
+    """
+    split = tp_size if sequence_parallel else 1
+    if te_fp8_scaling is None:
+        return split
+    return _TE_FP8_TOKEN_MULTIPLE.get(te_fp8_scaling, _TE_FP8_TOKEN_MULTIPLE_DEFAULT) * split
+
+
 def _split(batch: Mapping[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
     """Split every tensor of ``batch`` ([B, ...]) into consecutive microbatches of ``size`` rows."""
     n = next(iter(batch.values())).shape[0]
@@ -126,6 +150,12 @@ class FP8Actor:
         return self.parallel_cfg.pipeline_model_parallel_size
 
     @property
+    def token_pad_multiple(self) -> int:
+        """The multiple microbatch sequences are right-padded to (:func:`token_pad_multiple`)."""
+        te_fp8 = self.fp8_recipe.scaling if (self.use_te and self.fp8_recipe is not None) else None
+        return token_pad_multiple(self.tp_size, self.parallel_cfg.sequence_parallel, te_fp8)
+
+    @property
     def dp_group(self):
         return self._ps.get_data_parallel_group()
 
@@ -168,9 +198,10 @@ class FP8Actor:
         ``model``: the module to run (default the bare GPT stage; the DDP wrapper for training)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        # Sequence parallelism splits the sequence over TP ranks: right-pad it to a multiple of TP
-        # (harmless under causal attention) and cut the logits back before any loss sees them.
-        pad_to = self.tp_size if self.parallel_cfg.sequence_parallel else 1
+        # Right-pad the sequence to what sequence parallelism and TE's FP8 GEMMs need (token_pad_multiple;
+        # harmless under causal attention: no real token attends to a later position) and cut the logits
+        # back to the real T before any log-prob or loss sees them, so padded positions never count.
+        pad_to = self.token_pad_multiple
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
