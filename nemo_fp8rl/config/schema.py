@@ -339,6 +339,37 @@ class StabilityConfig:
     """Baseline window and lag, in steps."""
     invalid_threshold: float = 0.5
     """Garbled output when a step's invalid-response rate (``rollout/invalid_frac``) exceeds this."""
+    repeat_min_chars: int = 32
+    """A response is repetitive when its longest run of a repeated unit (1 to 32 characters, at least two
+    copies; ``nemo_fp8rl.algorithms.degeneracy``) is at least this many characters and at least
+    ``repeat_min_frac`` of the response. Far above real outputs: the answers of the built-in tasks are
+    shorter than 32 characters (``0579``, ``<answer>-138</answer>``), and 48 zero-shot SmolLM2-135M
+    responses to chain_sum (temperature 1, up to 128 tokens, up to 634 characters) had runs of at most 13."""
+    repeat_min_frac: float = 0.5
+    """The share of its response a repeat run must cover to count (with ``repeat_min_chars``): a long
+    healthy response with one ruler line stays quiet; a decoding loop runs to ``max_new_tokens`` and
+    covers most of its response."""
+    repetitive_threshold: float = 0.25
+    """Garbled output when more than this share of a step's responses is repetitive
+    (``stability/repetitive_frac``). Healthy runs measure 0; a collapse loops on most prompts, while a
+    model that loops on a few (a known BF16 habit of long chain-of-thought) stays below."""
+    nonprintable_threshold: float = 0.02
+    """Garbled output when more than this share of a step's response characters is non-printable (control,
+    surrogate, private-use or unassigned code points; ``stability/nonprintable_frac``). Healthy text has
+    none; SmolLM2 sampling random byte tokens writes 6%."""
+    replacement_threshold: float = 0.05
+    """Garbled output when more than this share of a step's response characters is U+FFFD
+    (``stability/replacement_frac``). A healthy response has at most one, where ``max_new_tokens`` cuts a
+    multi-byte character (1/len: at most 4% for responses of 25 characters or more); SmolLM2 sampling
+    random byte tokens writes 20%."""
+    unlikely_prob: float = 1e-4
+    """Calibration steps: a sampled response token is very unlikely when the BF16 shadow forward gives it a
+    probability below this (``stability/unlikely_frac``)."""
+    unlikely_threshold: float = 0.2
+    """Garbled output when more than this share of a calibration step's response tokens is very unlikely.
+    Sampling that matches the model gives the model's own tail mass: 3.3% for zero-shot SmolLM2-135M at
+    temperature 1 on chain_sum (the most diffuse real case; 1741 tokens), 98% for tokens drawn uniformly
+    from its vocabulary."""
     action: str = "warn"
     """warn | stop | none: on a step flagged unstable (surge or garbled), log a warning; ``stop``
     also checkpoints and stops the run after ``patience`` consecutive flagged steps (exit code 3)."""
@@ -514,6 +545,16 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
     if not (0 <= st.invalid_threshold < 1):
         raise ConfigError(f"stability.invalid_threshold={st.invalid_threshold} must be in [0, 1) "
                           "(the invalid-response rate above which a step counts as garbled)")
+    for key in ("repetitive_threshold", "nonprintable_threshold", "replacement_threshold", "unlikely_threshold"):
+        if not 0 <= getattr(st, key) < 1:
+            raise ConfigError(f"stability.{key}={getattr(st, key)} must be in [0, 1) (the share of a step above "
+                              "which it counts as garbled)")
+    if st.repeat_min_chars < 2 or not 0 <= st.repeat_min_frac <= 1:
+        raise ConfigError(f"stability.repeat_min_chars={st.repeat_min_chars} must be >= 2 (a repeat holds two "
+                          f"copies of its unit) and stability.repeat_min_frac={st.repeat_min_frac} in [0, 1]")
+    if not 0 < st.unlikely_prob < 1:
+        raise ConfigError(f"stability.unlikely_prob={st.unlikely_prob} must be in (0, 1) (the BF16 probability "
+                          "below which a sampled token counts as very unlikely, e.g. 1e-4)")
     check_choice("task.on_error", cfg.task.on_error, ["raise", "skip"])
     w = cfg.warmup
     if w.steps < 0 or w.batch_size < 1 or w.eval_interval < 1 or w.eval_size < 1:

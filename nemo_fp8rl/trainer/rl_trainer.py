@@ -12,7 +12,7 @@ One step (docs/design.md, "One training step"), in the order :meth:`RLTrainer.st
 5. for each minibatch: the BF16 shadow forward on calibration steps (the weights this minibatch
    sees), then the FP8 forward/backward with the clip bounds in force and an optimizer step;
 6. calibration update (bounds for the next step);
-7. metrics (one host sync), entropy-surge monitor;
+7. metrics (one host sync), stability monitor (entropy surge, garbled output);
 8. checkpoint every ``checkpoint_interval`` steps and at the end.
 """
 
@@ -47,6 +47,7 @@ from nemo_fp8rl.algorithms import (
     reduce_metrics,
     rollout_correction,
 )
+from nemo_fp8rl.algorithms.degeneracy import degeneracy_metrics, degenerate_signals, unlikely_token_frac
 from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.fp8 import collect_fp8_stats
 from nemo_fp8rl.fp8.recipes import build_fp8_recipe
@@ -437,6 +438,7 @@ class RLTrainer:
         if hasattr(self.task, "skipped_rows"):  # data.on_error=skip: malformed rows seen so far
             local["data/skipped_rows"] = make_metric(torch.tensor(float(self.task.skipped_rows)), "max")  # same file on every rank
         local.update(rc_metrics)
+        local.update(self._degeneracy_metrics(batch, hp_old, mask))
         if a.old_logprobs == "recompute":
             local.update(mismatch_metrics(old_logp, rollout_logp, mask, hp_old_logp=hp_old))
         out = self._step_metrics(local, mb_metrics, calib_metrics, lower, upper)
@@ -500,14 +502,32 @@ class RLTrainer:
         self._stability(out)
         return out
 
+    def _degeneracy_metrics(self, batch, hp_old: Optional[torch.Tensor], mask: torch.Tensor) -> Dict:
+        """Garbled-output signals no task parser sees (:mod:`nemo_fp8rl.algorithms.degeneracy`), from the step's
+        decoded responses: ``stability/repetitive_frac``, ``repeat_run_max``, ``nonprintable_frac``,
+        ``replacement_frac``; on calibration steps also ``stability/unlikely_frac``, the share of response
+        tokens the BF16 shadow old log-probs ``hp_old`` [B, T] put below ``stability.unlikely_prob``."""
+        st = self.cfg.stability
+        texts = [self.task.response_text(r) for r in batch.responses()]
+        out = degeneracy_metrics(texts, repeat_min_chars=st.repeat_min_chars, repeat_min_frac=st.repeat_min_frac)
+        if hp_old is not None:
+            out["stability/unlikely_frac"] = make_metric(unlikely_token_frac(hp_old, mask, st.unlikely_prob), "mean")
+        return out
+
     def _stability(self, out: Dict[str, float]) -> None:
         """Garbled-output flag and the monitor's action (docs/design.md, "One training step"), on the synced metrics.
 
-        ``stability/garbled = 1 if rollout/invalid_frac > stability.invalid_threshold``;
+        ``stability/garbled = 1`` if ``rollout/invalid_frac > stability.invalid_threshold`` (the task's parser)
+        or a text-level share exceeds its threshold (``stability/{repetitive,nonprintable,replacement,
+        unlikely}_frac`` against ``stability.{repetitive,nonprintable,replacement,unlikely}_threshold``);
         ``stability/unstable_steps`` counts consecutive steps with a surge or garbled output.
         """
         st = self.cfg.stability
-        garbled = out.get("rollout/invalid_frac", 0.0) > st.invalid_threshold
+        signals = degenerate_signals(out, repetitive_frac=st.repetitive_threshold,
+                                     nonprintable_frac=st.nonprintable_threshold,
+                                     replacement_frac=st.replacement_threshold, unlikely_frac=st.unlikely_threshold)
+        invalid = out.get("rollout/invalid_frac", 0.0) > st.invalid_threshold
+        garbled = invalid or bool(signals)
         surge = out.get("stability/entropy_surge", 0.0) > 0
         out["stability/garbled"] = float(garbled)
         self.unstable_steps = self.unstable_steps + 1 if (garbled or surge) else 0
@@ -515,12 +535,15 @@ class RLTrainer:
         # a warning when a streak starts and every `window` steps of it (a long streak would flood the log)
         if self.unstable_steps and st.action != "none" and (self.unstable_steps - 1) % st.window == 0:
             logger.warning(
-                "step %d unstable (%s): entropy %.4f = %.2fx its baseline, invalid responses %.1f%%; "
-                "%d consecutive unstable step(s) (repeated every stability.window=%d steps while it lasts)",
+                "step %d unstable (%s): entropy %.4f = %.2fx its baseline, invalid responses %.1f%%, text signals "
+                "over their stability.*_threshold: %s; %d consecutive unstable step(s) (repeated every "
+                "stability.window=%d steps while it lasts)",
                 self.step_idx,
                 " and ".join(w for w, f in (("entropy surge", surge), ("garbled output", garbled)) if f),
                 out.get("policy/entropy", math.nan), out.get("stability/entropy_ratio", math.nan),
-                100 * out.get("rollout/invalid_frac", math.nan), self.unstable_steps, st.window)
+                100 * out.get("rollout/invalid_frac", math.nan),
+                ", ".join(f"{n} {out[f'stability/{n}']:.3f}" for n in signals) or "none",
+                self.unstable_steps, st.window)
 
     def _make_loss(self, lower: float, upper: float, first_minibatch: bool):
         """The loss closure the actor evaluates per microbatch (on the last pipeline stage): the policy loss
@@ -677,8 +700,9 @@ class RLTrainer:
                     self.save_checkpoint(wait=True)
                     raise StopTraining(
                         f"{self.unstable_steps} consecutive steps flagged unstable (entropy surge above "
-                        f"stability.surge_factor={self.cfg.stability.surge_factor} x its lagged baseline, or invalid "
-                        f"responses above stability.invalid_threshold={self.cfg.stability.invalid_threshold}); "
+                        f"stability.surge_factor={self.cfg.stability.surge_factor} x its lagged baseline, or garbled "
+                        f"output: invalid responses above stability.invalid_threshold="
+                        f"{self.cfg.stability.invalid_threshold} or a text signal above its stability.*_threshold); "
                         f"stability.action=stop, stability.patience={self.cfg.stability.patience}. Checkpoint saved at "
                         f"step {self.step_idx}; see metrics.jsonl (stability/*). Enable calibration=paper, lower "
                         "optim.lr, or set stability.action=warn to continue."
