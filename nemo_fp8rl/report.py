@@ -3,7 +3,8 @@
 Reads each run's ``metrics.jsonl`` and writes to ``--out`` (default ``<first run's parent>/report``):
 
 * ``report.png``: entropy, reward/accuracy, clip fractions by advantage sign, clip bounds in force,
-  ``calib/alpha_fp8_nominal`` vs ``calib/alpha_bf16`` and the false-clip rate, rollout/trainer mismatch;
+  ``calib/alpha_fp8_nominal`` vs ``calib/alpha_bf16`` and the false-clip rate, rollout/trainer mismatch,
+  the garbled-output signals (invalid and repetitive responses, bad characters, BF16-unlikely tokens);
 * ``summary.md``: final metrics (mean of the last ``--last`` steps) per run and, for runs that logged
   sample generations (``logger.samples``, ``samples.jsonl``), the generations of the first, middle and
   last sample steps, so garbled text can be read next to the metrics.
@@ -42,7 +43,9 @@ PANELS = [
     ("A<0 fraction below 1-eps_low (calibration steps)", ["calib/alpha_fp8_nominal", "calib/alpha_bf16"]),
     ("False-clip rate (calibration steps)", ["calib/false_clip_rate"]),
     ("Rollout vs trainer mismatch", ["mismatch/logp_abs_diff_mean"]),
-    ("Invalid (garbled) responses", ["rollout/invalid_frac"]),
+    ("Garbled responses: invalid (task parser), repetitive", ["rollout/invalid_frac", "stability/repetitive_frac"]),
+    ("Garbled characters; tokens BF16 finds unlikely (calibration steps)",
+     ["stability/nonprintable_frac", "stability/replacement_frac", "stability/unlikely_frac"]),
 ]
 
 
