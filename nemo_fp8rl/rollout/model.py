@@ -36,6 +36,17 @@ With ``gemm="torch"`` (the torch engine on a GPU whose trainer runs real FP8, ``
 te) a linear whose scheme and shape torch can run keeps its weight as FP8 data + scales
 (:class:`Fp8Weight`) and multiplies on torch's scaled GEMM: ``scaled_mm(activation_fp8(x), W_fp8)``,
 the same FP8 values as the emulation, summed by the tensor cores.
+
+FP8 KV cache (``kv``: a :class:`KvQuant`, ``rollout.fp8.kv_cache``): every quantized layer writes its keys
+(after RoPE) and values to the cache as FP8 with the layer's float32 scales and attends to what it reads
+back, ``float32(q8) * s``, as vLLM does (the rules and their sources: :mod:`nemo_fp8rl.fp8.kv_cache`);
+with vLLM's CUDA kernels the query is quantized too. Prefill, decode and the no-cache reference path
+all attend to the read-back values, so they agree. The cache then holds 1 byte per element.
+
+High-precision edge layers (``high_precision_layers``, ``rollout.fp8.num_layers_at_start_in_bf16`` /
+``num_layers_at_end_in_bf16``): those layers' linears run without the FP8 scheme and their KV cache stays
+in the engine dtype, as in vLLM with the layers listed in the quantization config's ``ignored_layers`` and
+in ``kv_cache_dtype_skip_layers``.
 """
 
 from __future__ import annotations
@@ -49,9 +60,20 @@ import torch
 import torch.nn.functional as F
 
 from nemo_fp8rl.config.model import ModelConfig
+from nemo_fp8rl.fp8.formats import get_format
+from nemo_fp8rl.fp8.rollout import RolloutScheme
+from nemo_fp8rl.fp8.kv_cache import (
+    KvScales,
+    dequantize_kv,
+    fake_quantize_kv,
+    fake_quantize_query,
+    query_is_quantized,
+    quantize_kv,
+)
 
 __all__ = [
     "KVCache",
+    "KvQuant",
     "Fp8Weight",
     "LayerWeights",
     "ModelShape",
@@ -61,6 +83,7 @@ __all__ = [
     "build_weights",
     "check_hf_state_dict",
     "checked_weight_stream",
+    "edge_layers",
     "expected_hf_shapes",
     "forward_decode",
     "forward_full",
@@ -69,6 +92,9 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
 ]
+
+_HIGH_PRECISION = RolloutScheme()
+"""The scheme ``off``: linears of high-precision edge layers."""
 
 WeightsArg = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 """What a weight sync receives: a full HF-named state dict, or a stream of ``(name, tensor)`` pairs (e.g.
@@ -364,6 +390,7 @@ class LayerWeights:
     b_down: torch.Tensor | None
     q_norm: torch.Tensor | None  # [hd]
     k_norm: torch.Tensor | None  # [hd]
+    high_precision: bool = False  # an edge layer kept out of FP8 (linears and KV cache)
 
 
 @dataclass
@@ -419,9 +446,12 @@ def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, d
 
 def _build_layer(
     shape: ModelShape, i: int, sd: Mapping[str, torch.Tensor], scheme: Any, device: torch.device, dtype: torch.dtype,
-    stats: dict[str, dict[str, float]], gemm: str = "emulate",
+    stats: dict[str, dict[str, float]], gemm: str = "emulate", high_precision: bool = False,
 ) -> LayerWeights:
-    """Layer ``i`` from its HF tensors (checked): fuse q/k/v and gate/up, quantize the four linears."""
+    """Layer ``i`` from its HF tensors (checked): fuse q/k/v and gate/up, quantize the four linears
+    (``high_precision``: an edge layer, its linears keep their weights: the scheme ``off``)."""
+    if high_precision:
+        scheme, gemm = _HIGH_PRECISION, "emulate"
     p = f"model.layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
 
@@ -447,12 +477,13 @@ def _build_layer(
         b_down=hp(m + "down_proj.bias") if shape.linear_bias else None,
         q_norm=hp(a + "q_norm.weight") if shape.qk_layernorm else None,
         k_norm=hp(a + "k_norm.weight") if shape.qk_layernorm else None,
+        high_precision=high_precision,
     )
 
 
 def build_weights(
     shape: ModelShape, weights: WeightsArg, scheme: Any, device: torch.device, dtype: torch.dtype,
-    gemm: str = "emulate",
+    gemm: str = "emulate", high_precision_layers: Iterable[int] = (),
 ) -> RolloutWeights:
     """Validate the synced weights (HF names), fuse q/k/v and gate/up, quantize the linear weights with ``scheme``.
 
@@ -462,8 +493,10 @@ def build_weights(
     layer of incoming float32 tensors on top of the engine's own new weights, whatever the depth.
     ``scheme.quantize_weight`` runs once per fused linear weight per call (= per weight sync), on the
     float32 weight; the dequantized result is stored in ``dtype`` on ``device`` (``gemm="torch"``: FP8
-    data + scales where torch's scaled GEMM runs the scheme, :func:`_quantize_linear`).
+    data + scales where torch's scaled GEMM runs the scheme, :func:`_quantize_linear`). The layers in
+    ``high_precision_layers`` keep their weights (the scheme ``off``: BF16 edge layers).
     """
+    hp_layers = frozenset(int(i) for i in high_precision_layers)
     per_layer = {i: 0 for i in range(shape.num_layers)}
     for k in expected_hf_shapes(shape, 1):
         if k.startswith("model.layers."):
@@ -480,7 +513,8 @@ def build_weights(
         got = pending.setdefault(i, {})
         got[name] = v
         if len(got) == per_layer[i]:
-            layers[i] = _build_layer(shape, i, pending.pop(i), scheme, device, dtype, layer_stats[i], gemm)
+            layers[i] = _build_layer(shape, i, pending.pop(i), scheme, device, dtype, layer_stats[i], gemm,
+                                     high_precision=i in hp_layers)
     assert not pending and all(lw is not None for lw in layers), "checked_weight_stream ensures every key came"
     embed = top["model.embed_tokens.weight"]
     return RolloutWeights(
@@ -493,24 +527,108 @@ def build_weights(
     )
 
 
+def edge_layers(num_layers: int, first: int = 0, last: int = 0) -> tuple[int, ...]:
+    """Indices of the first ``first`` and the last ``last`` of ``num_layers`` decoder layers, sorted
+    (``rollout.fp8.num_layers_at_start_in_bf16`` / ``num_layers_at_end_in_bf16``)."""
+    if first < 0 or last < 0:
+        raise ValueError(f"edge layer counts must be >= 0, got first={first}, last={last}")
+    return tuple(sorted(set(range(min(first, num_layers))) | set(range(max(0, num_layers - last), num_layers))))
+
+
+@dataclass
+class KvQuant:
+    """The FP8 KV cache an engine emulates (:mod:`nemo_fp8rl.fp8.kv_cache`, vLLM's rules).
+
+    ``fmt``: ``e4m3`` | ``e5m2``; ``kernel``: ``cuda`` | ``cpu`` (which vLLM cache writer, and whether the
+    query is quantized too); ``scales``: per-layer float32 q/k/v scales (:class:`KvScales`);
+    ``high_precision_layers``: layers whose cache stays in the engine dtype.
+    """
+
+    fmt: str
+    kernel: str
+    scales: KvScales
+    high_precision_layers: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        get_format(self.fmt)
+        self.high_precision_layers = frozenset(int(i) for i in self.high_precision_layers)
+        self.quantize_query = query_is_quantized(self.fmt, self.kernel)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The FP8 dtype of the stored codes."""
+        return get_format(self.fmt).dtype
+
+    def layer_scales(self, i: int) -> tuple[float, float, float] | None:
+        """``(q_scale, k_scale, v_scale)`` of layer ``i``, or None when its cache is not quantized."""
+        return None if i in self.high_precision_layers else self.scales.layer(i)
+
+    def query(self, i: int, q: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s query as the attention sees it: quantized and read back (float32) where vLLM does
+        (``cuda`` kernel, E4M3 cache, a quantized layer), else unchanged."""
+        sc = self.layer_scales(i)
+        if sc is None:
+            return q
+        return fake_quantize_query(q, sc[0]) if self.quantize_query else q.float()
+
+    def fake_quantize(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Layer ``i``'s (query, keys, values) as the attention sees them with an FP8 cache: the float32
+        read-back values (the query quantized only with the ``cuda`` kernel, E4M3); unchanged for a
+        high-precision layer."""
+        sc = self.layer_scales(i)
+        if sc is None:
+            return q, k, v
+        _, ks, vs = sc
+        return self.query(i, q), fake_quantize_kv(k, ks, self.fmt, self.kernel), fake_quantize_kv(v, vs, self.fmt, self.kernel)
+
+
 @dataclass
 class KVCache:
     """Preallocated keys and values per layer: ``k[i]``, ``v[i]`` of shape [B, G, S, hd].
 
     Row b holds the keys of its own sequence at positions 0..(its length - 1); positions beyond are
-    stale and masked out by the attention until overwritten.
+    stale and masked out by the attention until overwritten. With an FP8 cache (``kv``) a quantized
+    layer's tensors hold the FP8 codes as ``uint8`` (1 byte per element; :meth:`write` and :meth:`read`
+    convert), a high-precision layer's hold the engine dtype.
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    kv: KvQuant | None = None
 
     @classmethod
-    def empty(cls, shape: ModelShape, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> KVCache:
+    def empty(cls, shape: ModelShape, batch: int, max_len: int, device: torch.device, dtype: torch.dtype,
+              kv: KvQuant | None = None) -> KVCache:
         dims = (batch, shape.num_groups, max_len, shape.head_dim)
+
+        def dt(i: int) -> torch.dtype:
+            return torch.uint8 if kv is not None and kv.layer_scales(i) is not None else dtype
+
         return cls(
-            k=[torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.num_layers)],
-            v=[torch.zeros(dims, device=device, dtype=dtype) for _ in range(shape.num_layers)],
+            k=[torch.zeros(dims, device=device, dtype=dt(i)) for i in range(shape.num_layers)],
+            v=[torch.zeros(dims, device=device, dtype=dt(i)) for i in range(shape.num_layers)],
+            kv=kv,
         )
+
+    def write(self, i: int, index: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store layer ``i``'s keys and values at ``index`` of its [B, G, S, hd] tensors (FP8 codes when quantized)."""
+        sc = None if self.kv is None else self.kv.layer_scales(i)
+        if sc is not None:
+            _, ks, vs = sc
+            k = quantize_kv(k, ks, self.kv.fmt, self.kv.kernel).view(torch.uint8)
+            v = quantize_kv(v, vs, self.kv.fmt, self.kv.kernel).view(torch.uint8)
+        self.k[i][index] = k
+        self.v[i][index] = v
+
+    def read(self, i: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values at positions [0, length): [B, G, length, hd], float32 read-back
+        values (``float32(q8) * s``) for a quantized layer, else the stored tensors."""
+        k, v = self.k[i][:, :, :length], self.v[i][:, :, :length]
+        sc = None if self.kv is None else self.kv.layer_scales(i)
+        if sc is None:
+            return k, v
+        _, ks, vs = sc
+        return dequantize_kv(k.view(self.kv.dtype), ks), dequantize_kv(v.view(self.kv.dtype), vs)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (LongTensor [B']) - used when sequences finish."""
@@ -578,18 +696,28 @@ def _logits(shape: ModelShape, w: RolloutWeights, h: torch.Tensor) -> torch.Tens
     return F.linear(rms_norm(h, w.final_norm, shape.norm_epsilon).float(), w.lm_head.float())
 
 
-def forward_full(shape: ModelShape, w: RolloutWeights, scheme: Any, tokens: torch.Tensor) -> torch.Tensor:
+def _layer_scheme(lw: LayerWeights, scheme: Any) -> Any:
+    """The FP8 scheme of a layer's linears: none for a high-precision edge layer."""
+    return _HIGH_PRECISION if lw.high_precision else scheme
+
+
+def forward_full(shape: ModelShape, w: RolloutWeights, scheme: Any, tokens: torch.Tensor,
+                 kv: KvQuant | None = None) -> torch.Tensor:
     """No-cache causal forward of whole sequences: tokens [B, T] (positions 0..T-1) -> logits [B, T, V] fp32.
 
-    The reference path: generation with the KV cache must reproduce these logits.
+    The reference path: generation with the KV cache must reproduce these logits. With an FP8 cache
+    (``kv``) each layer attends to its keys and values (and query) as the cache would give them back.
     """
     B, T = tokens.shape
     pos = torch.arange(T, device=tokens.device).expand(B, T)
     cos, sin = rope_cos_sin(pos, w.inv_freq)
     h = w.embed[tokens]
-    for lw in w.layers:
-        q, k, v = _qkv(shape, lw, scheme, h, cos, sin)
-        h = _mlp_and_residual(shape, lw, scheme, h, _attend(shape, q, k, v, None))
+    for i, lw in enumerate(w.layers):
+        s = _layer_scheme(lw, scheme)
+        q, k, v = _qkv(shape, lw, s, h, cos, sin)
+        if kv is not None:
+            q, k, v = kv.fake_quantize(i, q, k, v)
+        h = _mlp_and_residual(shape, lw, s, h, _attend(shape, q, k, v, None).to(h.dtype))
     return _logits(shape, w, h)
 
 
@@ -600,16 +728,21 @@ def forward_prefill(
 
     Shapes: tokens [B, P] (row b valid for t < lengths[b]), lengths [B] -> logits [B, V] float32 at
     position lengths[b] - 1. Causal attention means the padding after a prompt never reaches its tokens.
+    The prompt attends to its keys and values as read back from the cache (as vLLM's attention reads
+    its paged cache, the current tokens included).
     """
     B, P = tokens.shape
     pos = torch.arange(P, device=tokens.device).expand(B, P)
     cos, sin = rope_cos_sin(pos, w.inv_freq)
     h = w.embed[tokens]
     for i, lw in enumerate(w.layers):
-        q, k, v = _qkv(shape, lw, scheme, h, cos, sin)
-        cache.k[i][:, :, :P] = k
-        cache.v[i][:, :, :P] = v
-        h = _mlp_and_residual(shape, lw, scheme, h, _attend(shape, q, k, v, None))
+        s = _layer_scheme(lw, scheme)
+        q, k, v = _qkv(shape, lw, s, h, cos, sin)
+        cache.write(i, (slice(None), slice(None), slice(0, P)), k, v)
+        if cache.kv is not None:
+            k, v = cache.read(i, P)
+            q = cache.kv.query(i, q)
+        h = _mlp_and_residual(shape, lw, s, h, _attend(shape, q, k, v, None).to(h.dtype))
     last = h[torch.arange(B, device=h.device), lengths - 1]
     return _logits(shape, w, last)
 
@@ -629,9 +762,12 @@ def forward_decode(
     mask = (torch.arange(S, device=tokens.device).unsqueeze(0) <= positions.unsqueeze(1)).view(B, 1, 1, S)
     h = w.embed[tokens].unsqueeze(1)  # [B, 1, d]
     for i, lw in enumerate(w.layers):
-        q, k, v = _qkv(shape, lw, scheme, h, cos, sin)
-        cache.k[i][rows, :, positions] = k[:, :, 0]
-        cache.v[i][rows, :, positions] = v[:, :, 0]
-        a = _attend(shape, q, cache.k[i][:, :, :S], cache.v[i][:, :, :S], mask)
-        h = _mlp_and_residual(shape, lw, scheme, h, a)
+        s = _layer_scheme(lw, scheme)
+        q, k, v = _qkv(shape, lw, s, h, cos, sin)
+        cache.write(i, (rows, slice(None), positions), k[:, :, 0], v[:, :, 0])
+        if cache.kv is not None:
+            q = cache.kv.query(i, q)
+        kk, vv = cache.read(i, S)
+        a = _attend(shape, q, kk, vv, mask).to(h.dtype)
+        h = _mlp_and_residual(shape, lw, s, h, a)
     return _logits(shape, w, h[:, 0])

@@ -12,6 +12,13 @@ How a step goes (the way vLLM serves a batch, without its paging and continuous 
    prompt's first token). Rows that sample EOS leave the batch (their cache rows are dropped).
 3. The result is a :class:`~nemo_fp8rl.rollout.base.RolloutBatch` in the trainer's layout.
 
+FP8 KV cache (``kv_cache="e4m3"`` or ``"e5m2"``, ``rollout.fp8.kv_cache``): keys (after RoPE) and values are
+stored as FP8 codes with one float32 scale per layer and tensor and attended to as read back, exactly as
+vLLM stores them (:mod:`nemo_fp8rl.fp8.kv_cache`; ``kv_kernel`` picks vLLM's CUDA writer, the default, or
+vLLM-CPU's). The scales are vLLM's default (1.0) until :meth:`TorchRolloutEngine.set_kv_scales` (or
+``update_weights(..., kv_scales=...)``) gives calibrated ones; they persist across syncs, sleep and wake-up.
+``high_precision_layers`` keep those layers' linears and KV cache out of FP8 (BF16 edge layers).
+
 Memory: the KV cache lives for one ``generate`` call, so between rollouts the engine holds only its
 weights (the quantized copy of the actor's). :meth:`~TorchRolloutEngine.sleep` and
 :meth:`~TorchRolloutEngine.wake_up` therefore have nothing to free or restore (the weights stay, so the
@@ -36,8 +43,10 @@ from nemo_fp8rl.rollout.base import (
     check_generate_inputs,
     register_rollout_engine,
 )
+from nemo_fp8rl.fp8.kv_cache import KV_CACHE_FORMATS, KV_KERNELS, KvScales
 from nemo_fp8rl.rollout.model import (
     KVCache,
+    KvQuant,
     ModelShape,
     RolloutWeights,
     WeightsArg,
@@ -83,6 +92,12 @@ class TorchRolloutEngine:
             ``generation_config.json``); None = ``(eos_id,)``. ``eos_id`` is added if missing.
         device: where the weights, cache and forward live (outputs are returned on CPU).
         dtype: compute dtype of activations and stored weights (float32 on CPU; bfloat16 on GPU).
+        fp8_gemm: ``emulate`` | ``torch`` (FP8 linears on torch's scaled GEMM where it runs the scheme).
+        kv_cache: ``off`` | ``e4m3`` | ``e5m2``: the FP8 KV cache (``rollout.fp8.kv_cache``).
+        kv_kernel: ``cuda`` (vLLM on GPU: divide by the scale, round to nearest even, the query quantized
+            too with E4M3) | ``cpu`` (vLLM-CPU 0.32: multiply by the reciprocal, round toward zero).
+        high_precision_layers: decoder layers whose linears and KV cache stay in ``dtype`` (BF16 edge
+            layers, :func:`~nemo_fp8rl.rollout.model.edge_layers`).
     """
 
     name = "torch"
@@ -99,11 +114,26 @@ class TorchRolloutEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         fp8_gemm: str = "emulate",
+        kv_cache: str = "off",
+        kv_kernel: str = "cuda",
+        high_precision_layers: Sequence[int] = (),
     ) -> None:
         if fp8_gemm not in ("emulate", "torch"):
             raise ValueError(f"torch rollout engine: fp8_gemm={fp8_gemm!r}; use 'emulate' or 'torch'")
+        if kv_cache != "off" and kv_cache not in KV_CACHE_FORMATS:
+            raise ValueError(f"rollout.fp8.kv_cache={kv_cache!r}; choose off or one of {list(KV_CACHE_FORMATS)}")
+        if kv_kernel not in KV_KERNELS:
+            raise ValueError(f"torch rollout engine: kv_kernel={kv_kernel!r}; choose one of {list(KV_KERNELS)}")
         self.fp8_gemm = fp8_gemm
         self.shape = ModelShape.from_config(model_cfg)
+        bad = [i for i in high_precision_layers if not 0 <= int(i) < self.shape.num_layers]
+        if bad:
+            raise ValueError(f"high_precision_layers {bad} outside the model's {self.shape.num_layers} layers")
+        self.high_precision_layers: tuple[int, ...] = tuple(sorted({int(i) for i in high_precision_layers}))
+        """Decoder layers kept out of FP8 (linears and KV cache)."""
+        self.kv: KvQuant | None = None if kv_cache == "off" else KvQuant(
+            kv_cache, kv_kernel, KvScales.static(self.shape.num_layers), frozenset(self.high_precision_layers))
+        """The FP8 KV cache (format, kernel, the scales in force, high-precision layers), or None."""
         self.scheme = resolve_rollout_scheme(fp8_scheme, train_recipe)
         self.scheme_name = fp8_scheme if isinstance(fp8_scheme, str) else type(fp8_scheme).__name__
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
@@ -117,18 +147,22 @@ class TorchRolloutEngine:
         self._closed = False
 
     # ---------------------------------------------------------------- weights
-    def update_weights(self, weights: WeightsArg) -> dict[str, dict[str, float]]:
+    def update_weights(self, weights: WeightsArg, kv_scales: KvScales | None = None) -> dict[str, dict[str, float]]:
         """Replace the weights (HF Llama/Qwen names, any order) and re-quantize them for the FP8 scheme.
 
         ``weights``: a full state dict or a stream of ``(name, tensor)`` pairs (``actor.iter_weights()``);
         a stream is consumed layer by layer (:func:`~nemo_fp8rl.rollout.model.build_weights`). The new
-        weights replace the old ones only after the whole sync succeeded.
+        weights replace the old ones only after the whole sync succeeded. ``kv_scales``: new FP8 KV-cache
+        scales shipped with this sync (:meth:`set_kv_scales`); None keeps the current ones.
 
         Returns the per-linear record of this sync (``amax``, relative quantization error ``rel_err``,
         and the ``scale`` when the scheme reports it), also kept as :attr:`last_sync`.
         """
         self._check_open()
-        self.weights = build_weights(self.shape, weights, self.scheme, self.device, self.dtype, gemm=self.fp8_gemm)
+        self.weights = build_weights(self.shape, weights, self.scheme, self.device, self.dtype, gemm=self.fp8_gemm,
+                                     high_precision_layers=self.high_precision_layers)
+        if kv_scales is not None:
+            self.set_kv_scales(kv_scales)
         self.weights_version += 1
         if self.weights_version == 1:
             stats = self.weights.linear_stats
@@ -137,12 +171,34 @@ class TorchRolloutEngine:
                 real = sum(1 for r in stats.values() if r.get("gemm") == "torch")
                 why = sorted({r["fallback"] for r in stats.values() if "fallback" in r})
                 gemm = f"{real} on torch FP8 GEMMs, {len(stats) - real} emulated" + (f" ({'; '.join(why)})" if why else "")
+            hp = self.high_precision_layers
             (log.warning if "fallback" in str(stats) else log.info)(
                 "rollout engine 'torch': FP8 scheme %s quantizes %d linear weights per sync (fused qkv and "
-                "gate_up per layer; %s); embeddings, norms and the LM head stay %s",
-                self.scheme_name, len(stats), gemm, self.dtype,
+                "gate_up per layer; %s); embeddings, norms and the LM head stay %s%s; KV cache %s",
+                self.scheme_name, len(stats) - 4 * len(hp), gemm, self.dtype,
+                f", and layers {list(hp)} (high-precision edge layers)" if hp else "",
+                "in " + str(self.dtype) if self.kv is None else
+                f"FP8 {self.kv.fmt.upper()} (vLLM's {self.kv.kernel} rules, query quantized: "
+                f"{'yes' if self.kv.quantize_query else 'no'})",
             )
         return self.weights.linear_stats
+
+    def set_kv_scales(self, scales: KvScales) -> None:
+        """Use these per-layer FP8 KV-cache scales from the next ``generate`` on (kept across syncs).
+
+        ``scales``: :class:`~nemo_fp8rl.fp8.kv_cache.KvScales` with one q/k/v scale per decoder layer
+        (the high-precision layers' entries are ignored). A no-op without an FP8 KV cache.
+        """
+        if self.kv is None:
+            return
+        if scales.num_layers != self.shape.num_layers:
+            raise ValueError(f"KV scales for {scales.num_layers} layers, the model has {self.shape.num_layers}")
+        self.kv.scales = scales
+
+    @property
+    def kv_scales(self) -> KvScales | None:
+        """The FP8 KV-cache scales in force (None without an FP8 KV cache)."""
+        return None if self.kv is None else self.kv.scales
 
     @property
     def last_sync(self) -> dict[str, dict[str, float]]:
@@ -183,7 +239,7 @@ class TorchRolloutEngine:
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """No-cache full-sequence forward: tokens LongTensor [B, T] -> logits float32 [B, T, V] (on CPU)."""
         self._check_ids(tokens, "tokens")
-        return forward_full(self.shape, self._w(), self.scheme, tokens.to(self.device)).cpu()
+        return forward_full(self.shape, self._w(), self.scheme, tokens.to(self.device), kv=self.kv).cpu()
 
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -224,7 +280,7 @@ class TorchRolloutEngine:
         resp = torch.zeros(B, dtype=torch.long)
         finished = torch.zeros(B, dtype=torch.bool)
 
-        cache = KVCache.empty(self.shape, B, P + N, self.device, self.dtype)
+        cache = KVCache.empty(self.shape, B, P + N, self.device, self.dtype, kv=self.kv)
         logits = forward_prefill(self.shape, w, self.scheme, tokens[:, :P].to(self.device), lens.to(self.device), cache)
         rows = torch.arange(B)  # original batch index of each live cache row
         for step in range(N):

@@ -60,6 +60,17 @@ FP8 rollout (``rollout.fp8.scheme``, GPU only; docs/rollout.md has the mapping a
   (dynamic, floor ``1 / (448 * 512)``) when its CUTLASS FP8 kernels are available.
 - ``same_as_train`` has no vLLM equivalent (refused at config validation).
 
+FP8 KV cache (``rollout.fp8.kv_cache=e4m3|e5m2``, GPU and vLLM-CPU): ``kv_cache_dtype="fp8_e4m3"`` (or
+``fp8_e5m2``); the per-layer scales (:meth:`VllmEngine.set_kv_scales`, 1.0 until then: vLLM's default) are
+written into every attention layer after each weight sync and after each wake-up
+(:func:`~nemo_fp8rl.rollout.vllm_patches.apply_kv_scales`): a reload resets them and a level-2 sleep
+discards them, which vLLM issue #25800 saw as gibberish after wake-up.
+
+High-precision edge layers (``high_precision_layers``, ``rollout.fp8.num_layers_at_start_in_bf16`` /
+``num_layers_at_end_in_bf16``): their linears are listed in the quantization config's ``ignored_layers``
+(``vllm_block``; the sync sends them unquantized) or ``ignore`` (``vllm_w8a8``), and their layer indices
+in ``kv_cache_dtype_skip_layers``.
+
 Where vLLM cannot compute these schemes (no CUDA GPU with FP8 tensor cores) the constructor stops
 before any work, naming the alternative (the torch engine emulates every scheme bit-exactly); the
 checks are in :mod:`~nemo_fp8rl.rollout.vllm_support`.
@@ -79,6 +90,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_fp8rl.fp8.kv_cache import KV_CACHE_FORMATS, KvScales, vllm_kv_cache_dtype
 from nemo_fp8rl.rollout.base import (
     RolloutBatch,
     SamplingParams,
@@ -88,6 +100,7 @@ from nemo_fp8rl.rollout.base import (
 from nemo_fp8rl.rollout.model import ModelShape, WeightsArg
 from nemo_fp8rl.rollout.vllm_patches import (
     abandon_reload,
+    apply_kv_scales,
     fp8_linear_report,
     keep_torch_rng,
     quiet_expected_reload_warnings,
@@ -104,6 +117,7 @@ from nemo_fp8rl.rollout.vllm_spmd import (
 from nemo_fp8rl.rollout.vllm_support import (
     FP8_ALTERNATIVE,
     check_vllm_fp8_hardware,
+    check_vllm_kv_hardware,
     check_vllm_supported,
     scheme_name,
 )
@@ -143,6 +157,9 @@ class VllmEngine:
         allow_weight_only_fp8: tests only: build the FP8 weight format even where vLLM runs it weight-only
             (a CPU with AMX: FP8 weights, BF16 activations), so a CPU test can check what a sync loads into
             vLLM. Generation then does not compute the scheme (:attr:`fp8_problems` says why).
+        kv_cache: ``rollout.fp8.kv_cache``: ``off`` | ``e4m3`` | ``e5m2`` (vLLM's ``kv_cache_dtype``
+            ``fp8_e4m3`` / ``fp8_e5m2``; on CPU it needs AVX-512 or AMX, :func:`check_vllm_kv_hardware`).
+        high_precision_layers: decoder layers kept out of FP8 (linears and KV cache): BF16 edge layers.
     """
 
     name = "vllm"
@@ -163,6 +180,8 @@ class VllmEngine:
         max_num_seqs: int = 256,
         enable_sleep: bool | None = None,
         allow_weight_only_fp8: bool = False,
+        kv_cache: str = "off",
+        high_precision_layers: Sequence[int] = (),
     ) -> None:
         tp = tensor_parallel_size
         if isinstance(tp, int) and tp > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -186,6 +205,17 @@ class VllmEngine:
         if model_cfg.vocab_size is None:
             raise ValueError("the vllm engine needs model.vocab_size (the trainer takes it from the tokenizer)")
         self.shape = ModelShape.from_config(model_cfg)
+        if kv_cache != "off" and kv_cache not in KV_CACHE_FORMATS:
+            raise ValueError(f"rollout.fp8.kv_cache={kv_cache!r}; choose off or one of {list(KV_CACHE_FORMATS)}")
+        check_vllm_kv_hardware(kv_cache, self.shape.head_dim)
+        self.kv_cache = kv_cache
+        """``rollout.fp8.kv_cache`` (``off`` = the engine dtype)."""
+        bad = [i for i in high_precision_layers if not 0 <= int(i) < self.shape.num_layers]
+        if bad:
+            raise ValueError(f"high_precision_layers {bad} outside the model's {self.shape.num_layers} layers")
+        self.high_precision_layers: tuple[int, ...] = tuple(sorted({int(i) for i in high_precision_layers}))
+        """Decoder layers kept out of FP8 (their linears and KV cache)."""
+        self._kv_scales: KvScales | None = KvScales.static(self.shape.num_layers) if kv_cache != "off" else None
         # after the hardware check: the model's shape against T and, for vllm_block, 128-row blocks per shard
         check_vllm_supported(fp8_scheme=fp8_scheme, tensor_parallel_size=tp, installed=False, model_cfg=model_cfg)
         if self.scheme_name != "off":
@@ -234,9 +264,14 @@ class VllmEngine:
         """Write the model's config.json and build vLLM's ``LLM`` on it (collective when ``tp`` > 1)."""
         from nemo_fp8rl.models.hf_config import model_config_to_hf_config
 
+        from nemo_fp8rl.rollout.vllm_fp8 import ignored_linear_names
+
         config = model_config_to_hf_config(model_cfg, dtype=str(self.dtype).removeprefix("torch."))
+        ignored = ignored_linear_names(self.high_precision_layers)
         if self.scheme_name == "vllm_block":
             config["quantization_config"] = dict(BLOCK_FP8_QUANTIZATION_CONFIG)
+            if ignored:
+                config["quantization_config"]["ignored_layers"] = ignored
         with open(os.path.join(self._dir.name, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         self._tied = bool(config["tie_word_embeddings"])
@@ -255,6 +290,12 @@ class VllmEngine:
         )
         if self.scheme_name == "vllm_w8a8":
             kw["quantization"] = "fp8_per_tensor"
+            if ignored:
+                kw["quantization_config"] = {"ignore": ignored}
+        if self.kv_cache != "off":
+            kw["kv_cache_dtype"] = vllm_kv_cache_dtype(self.kv_cache)
+            if self.high_precision_layers:
+                kw["kv_cache_dtype_skip_layers"] = [str(i) for i in self.high_precision_layers]
         if tp > 1:
             # verl's SPMD mode: one in-process worker per trainer rank; vLLM's TP groups over the trainer's ranks
             kw["distributed_executor_backend"] = "external_launcher"
@@ -265,6 +306,7 @@ class VllmEngine:
         if tp > 1:
             check_every_rank_builds(tp, f"tensor_parallel_size={tp} world={dist.get_world_size()} "
                                          f"scheme={self.scheme_name} dtype={self.dtype} max_num_seqs={max_num_seqs} "
+                                         f"kv_cache={self.kv_cache} hp_layers={list(self.high_precision_layers)} "
                                          f"config={hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]}")
         with keep_torch_rng(), launcher_env(tp):
             from vllm import LLM
@@ -275,7 +317,8 @@ class VllmEngine:
 
                 self.tp_group_ranks = list(get_tp_group().ranks)
             if self.scheme_name != "off":
-                report = self.llm.collective_rpc(fp8_linear_report, args=(self.scheme_name,))[0]
+                report = self.llm.collective_rpc(fp8_linear_report,
+                                                 args=(self.scheme_name, self.high_precision_layers))[0]
                 self.fp8_kernels, self.fp8_problems = report["kernels"], report["problems"]
                 if self.fp8_problems and not allow_weight_only_fp8:
                     raise RuntimeError(
@@ -284,7 +327,7 @@ class VllmEngine:
                     )
 
     # ---------------------------------------------------------------- weights
-    def update_weights(self, weights: WeightsArg) -> dict[str, float]:
+    def update_weights(self, weights: WeightsArg, kv_scales: KvScales | None = None) -> dict[str, float]:
         """Load the actor's weights (HF Llama/Qwen names, any order) into the running engine.
 
         ``weights``: a full state dict (validated at once, before vLLM is touched) or a stream of
@@ -292,8 +335,9 @@ class VllmEngine:
         stream iterated to its end, never collected). The tensors go to vLLM in buckets of at most
         ``sync_bucket_mb`` MiB (:func:`iter_weight_buckets`), as E4M3 + ``weight_scale_inv`` for
         ``vllm_block``; then the prefix cache is reset. A sleeping engine is woken (weights first, then
-        the KV cache). Returns ``{"seconds": ..., "bytes": ...}`` of this sync (bytes handed to vLLM; also
-        :attr:`last_sync_seconds`).
+        the KV cache). With an FP8 KV cache the scales (``kv_scales`` when given, else the ones in force)
+        are written into the attention layers after the reload. Returns ``{"seconds": ..., "bytes": ...}``
+        of this sync (bytes handed to vLLM; also :attr:`last_sync_seconds`).
 
         If the sync fails after vLLM received part of it (a bad pair midway, the stream raised), the
         engine holds a mix of old and new weights: :meth:`generate` refuses until a complete sync.
@@ -304,7 +348,10 @@ class VllmEngine:
         t0 = time.perf_counter()
         # a bad dict raises here, before anything changes
         stream = sync_stream(self.shape, weights, vocab_size=self.model_cfg.vocab_size, tied=self._tied,
-                             block_fp8=self.scheme_name == "vllm_block", device=self.device)
+                             block_fp8=self.scheme_name == "vllm_block", device=self.device,
+                             high_precision_layers=self.high_precision_layers)
+        if kv_scales is not None:
+            self._check_kv_scales(kv_scales)
         if self._asleep:
             self._wake(["weights"])
         buckets = iter_weight_buckets(stream, self.bucket_bytes, self.dtype, device=self.device,
@@ -327,9 +374,40 @@ class VllmEngine:
                 self._wake(None)
             self.llm.reset_prefix_cache()
         self._weights_state = "ok"
+        if kv_scales is not None and self._kv_scales is not None:
+            self._kv_scales = kv_scales
+        self._apply_kv_scales()  # a reload leaves vLLM's scale buffers at 1.0 (or stale): write ours
         self.last_sync_seconds = time.perf_counter() - t0
         self.weights_version += 1
         return {"seconds": self.last_sync_seconds, "bytes": counter["bytes"]}
+
+    def set_kv_scales(self, scales: KvScales) -> None:
+        """Use these per-layer FP8 KV-cache scales (:class:`~nemo_fp8rl.fp8.kv_cache.KvScales`) from now on:
+        written into vLLM's attention layers at once (when the engine holds weights) and again after every
+        weight sync and wake-up. A no-op without an FP8 KV cache."""
+        if self._kv_scales is None:
+            return
+        self._check_kv_scales(scales)
+        self._kv_scales = scales
+        if self._weights_state == "ok" and not self._asleep:
+            self._apply_kv_scales()
+
+    @property
+    def kv_scales(self) -> KvScales | None:
+        """The FP8 KV-cache scales in force (None without an FP8 KV cache)."""
+        return self._kv_scales
+
+    def _check_kv_scales(self, scales: KvScales) -> None:
+        if scales.num_layers != self.shape.num_layers:
+            raise ValueError(f"KV scales for {scales.num_layers} layers, the model has {self.shape.num_layers}")
+
+    def _apply_kv_scales(self) -> None:
+        """Write the scales in force into every FP8-cache attention layer (vLLM resets or discards them)."""
+        if self._kv_scales is None or self.llm is None:
+            return
+        s = self._kv_scales
+        with keep_torch_rng():
+            self.llm.collective_rpc(apply_kv_scales, args=(s.q.tolist(), s.k.tolist(), s.v.tolist()))
 
     # ---------------------------------------------------------------- colocation
     def sleep(self) -> bool:
@@ -357,6 +435,8 @@ class VllmEngine:
         if self.llm is None or not self._asleep:
             return False
         self._wake(None)
+        if self._weights_state == "ok":
+            self._apply_kv_scales()  # woken buffers hold what the allocator gave them (vLLM #25800)
         return True
 
     def _wake(self, tags: list[str] | None) -> None:

@@ -27,7 +27,7 @@ from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8
 from nemo_fp8rl.fp8.quantize import _blocks_2d, _unblocks_2d
 
 __all__ = [
-    "LINEAR_SUFFIXES", "dequantize_vllm_block", "vllm_block_fp8_state_dict", "vllm_block_fp8_stream",
+    "LINEAR_SUFFIXES", "dequantize_vllm_block", "ignored_linear_names", "vllm_block_fp8_state_dict", "vllm_block_fp8_stream",
     "vllm_block_fp8_weight",
 ]
 
@@ -64,20 +64,23 @@ def dequantize_vllm_block(q: torch.Tensor, weight_scale_inv: torch.Tensor, block
 
 
 def vllm_block_fp8_stream(
-    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], device: torch.device | str | None = None
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], device: torch.device | str | None = None,
+    high_precision_layers: Iterable[int] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The sync stream of ``rollout.fp8.scheme=vllm_block``: every linear weight as ``(name, q)`` followed by
     ``(name + "_scale_inv", s)`` (:func:`vllm_block_fp8_weight`); every other tensor (embeddings, norms,
-    biases, LM head) unchanged.
+    biases, LM head) unchanged, and so are the linears of ``high_precision_layers`` (BF16 edge layers: the
+    engine's quantization config lists them in ``ignored_layers``, :func:`ignored_linear_names`).
 
     ``weights``: a state dict or a stream of ``(name, tensor)`` pairs; a stream is consumed one pair at a
     time (nothing is collected). ``device``: where to quantize (None: where the tensor is); the result is
     the same bit for bit on any device (amax, a correctly rounded division by 448 and by s, a
     round-to-nearest-even cast), so a GPU engine quantizes on the GPU.
     """
+    keep = {f"model.layers.{int(i)}." for i in high_precision_layers}
     pairs = weights.items() if isinstance(weights, Mapping) else weights
     for name, t in pairs:
-        if name.endswith(LINEAR_SUFFIXES):
+        if name.endswith(LINEAR_SUFFIXES) and ".".join(name.split(".")[:3]) + "." not in keep:
             q, s = vllm_block_fp8_weight(t if device is None else t.to(device))
             del t
             yield name, q
@@ -85,6 +88,15 @@ def vllm_block_fp8_stream(
             yield name + "_scale_inv", s
         else:
             yield name, t
+
+
+def ignored_linear_names(high_precision_layers: Iterable[int]) -> list[str]:
+    """vLLM module names of the linears of ``high_precision_layers``, for a quantization config's
+    ``ignored_layers`` (block FP8) or ``ignore`` (online ``fp8_per_tensor``): one per Hugging Face linear
+    (``model.layers.<i>.self_attn.q_proj``, ...); vLLM skips a fused module (``qkv_proj``, ``gate_up_proj``)
+    when all of its parts are listed."""
+    return [f"model.layers.{int(i)}.{suffix.removesuffix('.weight')}"
+            for i in sorted({int(i) for i in high_precision_layers}) for suffix in LINEAR_SUFFIXES]
 
 
 def vllm_block_fp8_state_dict(hf_state_dict: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

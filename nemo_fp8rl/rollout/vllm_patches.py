@@ -5,7 +5,8 @@
   quiet logs; for FP8 rollout, the kernel choices that compute the scheme and not another one.
 - Functions run on vLLM's worker through ``collective_rpc``: finish an in-place reload for a tied LM head
   (:func:`reprocess_tied_lm_head`), close a reload whose stream raised (:func:`abandon_reload`), report
-  which FP8 kernels the linears got (:func:`fp8_linear_report`).
+  which FP8 kernels the linears got (:func:`fp8_linear_report`), write and read the FP8 KV-cache scales of
+  the attention layers (:func:`apply_kv_scales`, :func:`read_kv_scales`).
 - :func:`quiet_expected_reload_warnings`: vLLM's per-sync warning for modules that never receive weights.
 - :func:`keep_torch_rng`: undo what building and running vLLM does to torch's process-wide state.
 """
@@ -23,9 +24,11 @@ __all__ = [
     "VLLM_ENV",
     "VLLM_FP8_ENV",
     "abandon_reload",
+    "apply_kv_scales",
     "fp8_linear_report",
     "keep_torch_rng",
     "quiet_expected_reload_warnings",
+    "read_kv_scales",
     "reprocess_tied_lm_head",
     "set_vllm_env",
     "set_vllm_fp8_env",
@@ -104,15 +107,17 @@ def abandon_reload(worker: Any) -> None:
     finalize_layerwise_reload(runner.get_model(), runner.model_config)
 
 
-def fp8_linear_report(worker: Any, scheme: str) -> dict[str, Any]:
+def fp8_linear_report(worker: Any, scheme: str, high_precision_layers: tuple[int, ...] = ()) -> dict[str, Any]:
     """Run on vLLM's worker: the FP8 kernels the linears got and what in them departs from ``scheme``.
 
     Returns ``{"kernels": sorted kernel class names, "problems": ["<module>: <why>", ...]}``. Checked (vLLM
     0.32 names): ``vllm_block`` needs ``Fp8LinearMethod`` with block quantization, no Marlin, a kernel that
     quantizes activations itself with vLLM's ``QuantFP8`` (1x128 groups, float32 scales: not UE8M0);
-    ``vllm_w8a8`` needs ``Fp8PerTensorOnlineLinearMethod``, no Marlin, per-token dynamic activations.
+    ``vllm_w8a8`` needs ``Fp8PerTensorOnlineLinearMethod``, no Marlin, per-token dynamic activations. The
+    linears of ``high_precision_layers`` (BF16 edge layers) must be unquantized instead.
     """
     from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.models.utils import extract_layer_index
 
     kernels: set[str] = set()
     problems: list[str] = []
@@ -120,6 +125,10 @@ def fp8_linear_report(worker: Any, scheme: str) -> dict[str, Any]:
         if not isinstance(mod, LinearBase):
             continue
         qm = getattr(mod, "quant_method", None)
+        if ".layers." in prefix and extract_layer_index(prefix) in high_precision_layers:
+            if type(qm).__name__ != "UnquantizedLinearMethod":
+                problems.append(f"{prefix}: a high-precision edge layer got {type(qm).__name__}")
+            continue
         kernel = getattr(qm, "fp8_linear", None)
         kernels.add(type(kernel).__name__ if kernel is not None else type(qm).__name__)
         why = None
@@ -144,6 +153,53 @@ def fp8_linear_report(worker: Any, scheme: str) -> dict[str, Any]:
         if why:
             problems.append(f"{prefix}: {why}")
     return {"kernels": sorted(kernels), "problems": problems}
+
+
+def apply_kv_scales(worker: Any, q: list[float], k: list[float], v: list[float]) -> list[int]:
+    """Run on vLLM's worker: set every FP8-cache attention layer's scales to ``q[i]``, ``k[i]``, ``v[i]``.
+
+    vLLM 0.32 keeps them in four places per layer: the float32 device buffers ``_q_scale``, ``_k_scale``,
+    ``_v_scale`` (read by the CUDA cache writer and FlashAttention's descales), the host floats
+    ``_q_scale_float``, ``_k_scale_float``, ``_v_scale_float`` (read by the CPU backend), and the host tensors
+    ``_k_scale_cpu``, ``_v_scale_cpu``. All are written. The device buffers are part of the model's weights:
+    a reload resets them (to 1.0 without a quantization config) and ``sleep(level=2)`` discards them
+    (vLLM issue #25800: FP8 KV after sleep level 2 gives gibberish), so the engine calls this after every
+    weight sync and every wake-up. Layers whose cache is not FP8 (``kv_cache_dtype_skip_layers``) keep
+    vLLM's 1.0. Returns the layer indices written.
+    """
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    done = []
+    for prefix, mod in worker.model_runner.get_model().named_modules():
+        if not isinstance(mod, Attention) or not is_quantized_kv_cache(mod.kv_cache_dtype):
+            continue
+        i = extract_layer_index(prefix)
+        for name, values in (("q", q), ("k", k), ("v", v)):
+            getattr(mod, f"_{name}_scale").fill_(float(values[i]))
+            setattr(mod, f"_{name}_scale_float", float(values[i]))
+        mod._k_scale_cpu.fill_(float(k[i]))
+        mod._v_scale_cpu.fill_(float(v[i]))
+        done.append(i)
+    return sorted(done)
+
+
+def read_kv_scales(worker: Any) -> dict[int, dict[str, Any]]:
+    """Run on vLLM's worker: per attention layer, its cache dtype and the scales it holds (device buffers
+    and host floats), ``{i: {"kv_cache_dtype": ..., "q": .., "k": .., "v": .., "q_float": .., ...}}``."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    out: dict[int, dict[str, Any]] = {}
+    for prefix, mod in worker.model_runner.get_model().named_modules():
+        if isinstance(mod, Attention):
+            rec: dict[str, Any] = {"kv_cache_dtype": mod.kv_cache_dtype}
+            for name in ("q", "k", "v"):
+                rec[name] = float(getattr(mod, f"_{name}_scale").float().cpu())
+                rec[f"{name}_float"] = float(getattr(mod, f"_{name}_scale_float"))
+            out[extract_layer_index(prefix)] = rec
+    return out
 
 
 class _ExpectedReloadWarnings(logging.Filter):

