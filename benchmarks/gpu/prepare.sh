@@ -2,11 +2,15 @@
 # Run on a CPU machine with PyPI access, in the checkout, before the GPU check:   bash benchmarks/gpu/prepare.sh
 # Fills the ignored folder .whl/ with what the H200 image lacks (it has Python 3.12, torch, numpy,
 # transformers, safetensors, tokenizers, pyyaml, psutil, matplotlib, tensorboard, pytest, hypothesis,
-# triton; no network): the cp312 manylinux wheels of megatron-core (+ packaging>=24.2), hydra-core, omegaconf, math-verify,
+# triton; no network): the cp312 manylinux wheels of megatron-core, hydra-core, omegaconf, math-verify,
 # latex2sympy2_extended and torchao, a pure wheel of antlr4-python3-runtime built from its sdist (PyPI
-# has no wheel of 4.9.3), and this project's own wheel. Checks they total <= 20 MiB (the device
-# machine takes 64 MiB of working tree in all) and lists each file with its size. Idempotent: a wheel
-# already in .whl/ is kept; the project wheel is rebuilt every time (the checkout changes).
+# has no wheel of 4.9.3), and this project's own wheel. Nothing the image already has: a carried copy
+# would come first on PYTHONPATH and shadow the image's own (run.sh installs with --no-deps). Not
+# `packaging`: megatron-core 0.16.1 declares packaging>=24.2 but imports only packaging.version
+# (Version, parse), which every packaging release since 20.0 has; the image's copy (transformers, pytest
+# and matplotlib require it) serves, and the env part checks that it imports. Checks the wheels total
+# <= 20 MiB (the device machine takes 64 MiB of working tree in all) and lists each file with its size.
+# Idempotent: a wheel already in .whl/ is kept; the project wheel is rebuilt every time.
 # Environment: PYTHON (default: .venv/bin/python, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,10 +18,11 @@ PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python
 W=.whl
 LIMIT_MIB=20
 mkdir -p "$W"
+rm -f "$W"/packaging-*.whl  # an older prepare.sh shipped it: it would shadow the image's own copy
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 BINARY=(megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.1 math-verify==0.9.0 latex2sympy2_extended==1.11.0
-        torchao==0.17.0 packaging==24.2)  # packaging: megatron-core needs >= 24.2
+        torchao==0.17.0)
 need=()
 for spec in "${BINARY[@]}"; do
   name="${spec%%==*}"; ver="${spec##*==}"

@@ -6,17 +6,18 @@
 # 1. installs .whl/*.whl (benchmarks/gpu/prepare.sh builds them on a CPU machine with PyPI) with
 #    pip --no-index --no-deps --target and puts the target on PYTHONPATH (skipped when .whl is absent),
 #    after the checkout itself (its nemo_fp8rl wins over the project wheel's, which may be older);
-# 2. runs benchmarks/gpu/runner.py: every part in its own process with its own timeout, everything
-#    within GPU_CHECK_BUDGET_S (default 480 s) from this script's start; summary.md and results.json
-#    are rewritten after each part, so a run cut short keeps what was measured.
-# Environment: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S, GPU_CHECK_PARTS (comma list).
+# 2. runs benchmarks/gpu/runner.py: every part in its own process with its own timeout, all parts within
+#    GPU_CHECK_BUDGET_S seconds; the default is runner.py's budget table (PARTS: the caps of the parts
+#    that can run here, 480 s on the H200, read with `runner.py --print-budget`); summary.md and
+#    results.json are rewritten after each part, so a run cut short keeps what was measured.
+# Environment: PYTHON (default: the checkout's .venv/bin/python when it exists, as after `make test`;
+# else python3), OUT, GPU_CHECK_BUDGET_S, GPU_CHECK_PARTS (comma list).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=""
 [ "${1:-}" = "--dry-run" ] || [ "${DRY_RUN:-0}" = "1" ] && DRY="--dry-run"
 OUT="${OUT:-gpu_results}"
-PY="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET_S:-480}"
+PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
 start=$(date +%s)
 mkdir -p "$OUT"
 { timeout 30 nvidia-smi || echo "nvidia-smi: not available"; } > "$OUT/nvidia-smi.txt" 2>&1
@@ -35,11 +36,16 @@ mkdir -p "$OUT"
   fi
   # the checkout's nemo_fp8rl comes first: the project wheel in .whl/ may be older than the tree
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  left=$(( BUDGET - ($(date +%s) - start) - 10 ))
-  [ "$left" -lt 60 ] && left=60
+  PARTS_ARG=(${GPU_CHECK_PARTS:+--parts "$GPU_CHECK_PARTS"})
+  BUDGET="${GPU_CHECK_BUDGET_S:-$("$PY" benchmarks/gpu/runner.py --print-budget $DRY "${PARTS_ARG[@]}")}"
+  if ! [ "$BUDGET" -gt 0 ] 2> /dev/null; then
+    echo "no parts budget: runner.py --print-budget said '$BUDGET' (PYTHON=$PY; GPU_CHECK_BUDGET_S takes whole seconds)"
+    exit 1
+  fi
+  echo "python $PY, parts budget ${BUDGET}s"
   # the runner keeps its own deadline; the timeout is the backstop
-  timeout -k 10 $(( left + 30 )) "$PY" benchmarks/gpu/runner.py --out "$OUT" --budget-s "$left" $DRY \
-    ${GPU_CHECK_PARTS:+--parts "$GPU_CHECK_PARTS"}
+  timeout -k 10 $(( BUDGET + 30 )) "$PY" benchmarks/gpu/runner.py --out "$OUT" --budget-s "$BUDGET" $DRY \
+    "${PARTS_ARG[@]}"
   rc=$?
   echo "runner exit code $rc, total $(( $(date +%s) - start ))s"
   exit $rc

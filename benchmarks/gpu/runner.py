@@ -1,10 +1,16 @@
 """Run the GPU check's parts, each in its own child process with its own timeout, and write the summary.
 
-    python benchmarks/gpu/runner.py --out gpu_results [--dry-run] [--budget-s 460] [--parts env,parity]
+    python benchmarks/gpu/runner.py --out gpu_results [--dry-run] [--budget-s 480] [--parts env,parity]
+    python benchmarks/gpu/runner.py --print-budget [--dry-run]    # the default budget, in seconds
 
 ``benchmarks/gpu/run.sh`` is the one command a lent GPU machine runs; it installs the carried wheels
-and calls this. Parts run in order of how much they tell us (``PARTS``); each gets
-``min(its cap, time left - the minimum of the parts after it)`` seconds. A child that raises, crashes
+and calls this. Parts run in order of how much they tell us (``PARTS``). ``PARTS`` is the one budget
+table: the default budget (:func:`default_budget`, which run.sh reads with ``--print-budget``) is the
+sum of the caps of the parts that can run here, so on the H200 (no Transformer Engine, no vLLM) the
+caps add up to exactly the time the parts get. Each part gets its cap plus whatever the parts before it
+left unused, never so much that a later part would get less than its least:
+``min(time left - sum(least of later parts), max(cap, time left - sum(caps of later parts)))``.
+A child that raises, crashes
 or outlives its timeout is recorded (traceback, output tail, what it saved so far) and the next part
 runs. ``summary.md`` and ``results.json`` are rewritten after every part, so a run cut short still
 brings back everything measured before. Parts that need Transformer Engine or vLLM are skipped with
@@ -34,21 +40,26 @@ sys.path.insert(0, str(HERE))
 import summary  # noqa: E402  (benchmarks/gpu is not a package: its modules import each other by name)
 from common import Ctx  # noqa: E402
 
-# (name, cap seconds on a GPU, least seconds worth starting, requirement); the code is part_<name>.py
+# The budget table: (name, cap seconds on a GPU, least seconds worth starting, requirement); the code is
+# part_<name>.py. The H200 runs the parts without a requirement (it has neither TE nor vLLM); their caps
+# (480 s) plus OUTSIDE_PARTS_S (nvidia-smi, installing the carried wheels, the runner's start) fit in
+# COMMAND_LIMIT_S, the device machine's limit for one command.
 PARTS = [
-    ("env", 60, 10, None),
-    ("parity", 90, 20, None),
-    ("throughput", 150, 60, None),
-    ("grpo", 180, 60, None),
-    ("shadow", 60, 20, None),
-    ("pytest_gpu", 90, 30, None),
-    ("distopt", 60, 20, None),
+    ("env", 45, 10, None),
+    ("parity", 60, 20, None),
+    ("throughput", 100, 60, None),
+    ("grpo", 120, 60, None),
+    ("shadow", 45, 20, None),
+    ("pytest_gpu", 65, 30, None),
+    ("distopt", 45, 20, None),
     ("te_parity", 60, 15, "te"),
     ("te_step", 120, 60, "te"),
     ("vllm_rollout", 150, 60, "vllm"),
     ("vllm_parity", 120, 45, "vllm"),
 ]
 PART_NAMES = [p[0] for p in PARTS]
+COMMAND_LIMIT_S = 600
+OUTSIDE_PARTS_S = 90
 
 
 class _Terminated(BaseException):
@@ -65,6 +76,23 @@ def missing_requirement(req: str | None, dry: bool) -> str | None:
         if dry and os.environ.get("GPU_CHECK_DRY_VLLM") != "1":
             return "dry run: the vLLM parts start vLLM on the CPU (minutes); GPU_CHECK_DRY_VLLM=1 runs them"
     return None
+
+
+def default_budget(dry: bool, names: list | None = None) -> int:
+    """Seconds for all parts together: the sum of the caps of the parts (``names``, default all) whose
+    requirement is met here (:func:`missing_requirement`)."""
+    names = PART_NAMES if names is None else names
+    return sum(cap for name, cap, _, req in PARTS if name in names and missing_requirement(req, dry) is None)
+
+
+def part_timeout(cap: float, left: float, later: list) -> float:
+    """Seconds one part gets: its cap plus what earlier parts left unused, keeping every later part's least.
+
+    later: ``[(cap, least)]`` of the parts still to run after this one (those that can run here).
+    """
+    keep_least = left - sum(lst for _, lst in later)
+    keep_caps = left - sum(c for c, _ in later)
+    return min(keep_least, max(cap, keep_caps))
 
 
 def _child(name: str, result: Path, deadline: float, dry: bool, out: Path) -> None:
@@ -136,7 +164,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_results")
     ap.add_argument("--dry-run", action="store_true", help="every part on CPU tensors with tiny shapes")
-    ap.add_argument("--budget-s", type=float, default=460.0, help="wall seconds for all parts together")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall seconds for all parts together (default: the caps of the parts that can run here)")
+    ap.add_argument("--print-budget", action="store_true", help="print the default budget in seconds and exit")
     ap.add_argument("--parts", default=",".join(PART_NAMES), help=f"comma-separated subset of {PART_NAMES}")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -150,6 +180,11 @@ def main() -> None:
     unknown = sorted(set(names) - set(PART_NAMES))
     if unknown:
         sys.exit(f"--parts: unknown part(s) {unknown}; valid: {PART_NAMES}")
+    if args.print_budget:
+        print(default_budget(args.dry_run, names))
+        return
+    if args.budget_s is None:
+        args.budget_s = float(default_budget(args.dry_run, names))
     out.mkdir(parents=True, exist_ok=True)
     (out / "tracebacks.txt").unlink(missing_ok=True)  # of an earlier run into the same folder
     deadline = time.time() + args.budget_s
@@ -167,9 +202,8 @@ def main() -> None:
     for i, name in enumerate(names):
         _, cap, least, req = spec[name]
         t0 = time.time()
-        later = [n for n in names[i + 1:] if missing_requirement(spec[n][3], args.dry_run) is None]
-        reserve = sum(spec[n][2] for n in later)
-        budget = min(cap, deadline - time.time() - reserve)
+        later = [spec[n][1:3] for n in names[i + 1:] if missing_requirement(spec[n][3], args.dry_run) is None]
+        budget = part_timeout(cap, deadline - time.time(), later)
         why = missing_requirement(req, args.dry_run)
         if why:
             res = {"skipped": why}
