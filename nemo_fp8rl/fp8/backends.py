@@ -424,8 +424,10 @@ def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype
     why = kernel_refusal(a, b)
     if why:
         _count_fallback(why)
-        out = (a.dequantize() @ b.dequantize().t()).to(out_dtype)
-        return out if bias is None else out + bias.to(out_dtype)
+        out = a.dequantize() @ b.dequantize().t()  # float32, as the emulation multiplies the same FP8 values
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
     is_cuda, cap, cublas = _device_facts(a.data.device)
     kind = "tensor" if a.granularity == "tensor" else ("row" if a.granularity == "row" else "block")
     kernel_dtype = kernel_out_dtype(a.granularity, out_dtype, is_cuda, cap, cublas)
@@ -436,16 +438,16 @@ def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype
     mat_a, mat_b, sa, sb = scaled_mm_args(a, b)
     try:
         out = scaled_mm_kernel(mat_a, mat_b, sa, a.granularity, sb, b.granularity, kernel_dtype, fast, bias=kbias)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         if kernel_dtype != torch.float32 or not is_cuda:
             raise
-        # kernel_out_dtype promised float32 on this GPU and the kernel disagrees: bf16 from now on
+        # kernel_out_dtype promised float32 on this GPU and the kernel disagrees: try bf16 (which raises on its
+        # own if the output dtype was not the problem) and keep asking for bf16 from now on
+        kbias = bias if _kernel_takes_bias(a.granularity, torch.bfloat16, bias) else None
+        out = scaled_mm_kernel(mat_a, mat_b, sa, a.granularity, sb, b.granularity, torch.bfloat16, fast, bias=kbias)
         _FP32_REFUSED[kind] = f"{type(e).__name__}: {e}"[:300]
         logger.warning("FP8 torch backend: the %s-scaled kernel refused a float32 output (%s); asking for bf16 "
                        "from now on (logged once)", kind, _FP32_REFUSED[kind])
-        kernel_dtype = torch.bfloat16
-        kbias = bias if _kernel_takes_bias(a.granularity, kernel_dtype, bias) else None
-        out = scaled_mm_kernel(mat_a, mat_b, sa, a.granularity, sb, b.granularity, kernel_dtype, fast, bias=kbias)
     m = a.data.shape[0]
     if out.shape[0] != m:
         out = out[:m]
