@@ -246,11 +246,101 @@ def _fp8_keys(msg: str) -> str:
     return re.sub(r"(?<![\w.])(" + "|".join(names) + r")\b", r"fp8.\1", msg)
 
 
-def build_fp8_recipe(cfg) -> Optional[Fp8Recipe]:
-    """The training :class:`Fp8Recipe` from a :class:`~nemo_fp8rl.config.schema.TrainConfig`'s ``fp8``
-    group (the named recipe with the group's field overrides); None when FP8 is off."""
-    f = cfg.fp8
-    overrides = dict(
+AUTO_RECIPE = "auto"
+"""``fp8.recipe`` value (the ``fp8=auto`` group) that picks the recipe by hardware: :func:`auto_recipe_name`."""
+
+AUTO_CANDIDATES = ("blockwise", "mxfp8", "tensorwise")
+"""The recipes ``fp8=auto`` can pick; the ``fp8`` group's overrides must suit each of them."""
+
+_AUTO_PICKS = "mxfp8 on sm100+, blockwise on sm90, tensorwise on sm89, emulated tensorwise elsewhere"
+
+
+def auto_recipe_name(device=None, capability: Optional[tuple] = None, backend: Optional[str] = None) -> tuple[str, str]:
+    """The recipe ``fp8=auto`` picks for ``device`` and one line saying why: ``(name, why)``.
+
+    The recipe the hardware's FP8 tensor cores scale natively (SkyRL's ``fp8_recipe=auto`` idea):
+
+    ==================================== ============ ==========================================
+    device (compute capability)          recipe       why
+    ==================================== ============ ==========================================
+    Blackwell or newer (sm100+)          mxfp8        1x32 blocks with E8M0 scales in hardware
+    Hopper (sm90)                        blockwise    1x128 / 128x128 blocks (DeepSeek-V3, TE)
+    Ada (sm89)                           tensorwise   FP8 tensor cores, no block-scaled GEMMs
+    older GPU, or the CPU                tensorwise   emulated (no FP8 tensor cores)
+    ==================================== ============ ==========================================
+
+    With the ``torch`` GEMM backend the pick is what torch runs natively: torch has no MX GEMM, so
+    Blackwell gets ``tensorwise``; Hopper gets ``blockwise`` only with ``torch.nn.functional.scaled_mm``
+    (torch >= 2.10), else ``tensorwise`` (fp8/backends.py lists what each backend runs).
+
+    Args:
+        device: a torch device or its name; None = ``cuda`` when CUDA is available, else ``cpu``.
+        capability: ``(major, minor)`` of the CUDA device; None = read it from the device (tests pass it).
+        backend: the resolved ``fp8.backend`` (``te`` | ``torch`` | ``emulate``), None = do not consider it.
+    """
+    import torch
+
+    if device is None:
+        device = "cuda" if capability is not None or torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "tensorwise", f"no CUDA device ({dev.type}): tensorwise (per-tensor current scaling), emulated"
+    major, minor = capability if capability is not None else torch.cuda.get_device_capability(dev)
+    sm = f"sm{major}{minor}"
+    if (major, minor) < (8, 9):
+        return "tensorwise", (f"{sm} has no FP8 tensor cores (they need sm89+): tensorwise, emulated; fp8=off "
+                              "trains this GPU faster")
+    if major >= 10:
+        if backend == "torch":
+            return "tensorwise", (f"{sm} (Blackwell) with fp8.backend=torch: torch has no MX-scaled GEMM, so "
+                                  "tensorwise (fp8.backend=te gives mxfp8)")
+        return "mxfp8", f"{sm} (Blackwell or newer): mxfp8, the 1x32-block E8M0 scaling its tensor cores run natively"
+    if major == 9:
+        if backend == "torch":
+            import torch.nn.functional as F
+
+            if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
+                return "tensorwise", (f"{sm} (Hopper) with fp8.backend=torch: this torch has no block-scaled GEMM "
+                                      "(torch.nn.functional.scaled_mm, torch >= 2.10), so tensorwise")
+        return "blockwise", (f"{sm} (Hopper): blockwise (1x128 activation, 128x128 weight blocks), the "
+                             "block-scaled FP8 of Hopper's GEMMs; mxfp8 needs sm100")
+    return "tensorwise", f"{sm} (Ada): FP8 tensor cores without block-scaled GEMMs: tensorwise"
+
+
+def resolve_auto_recipe(cfg, device=None) -> Optional[str]:
+    """``fp8=auto``: pick the recipe for ``device`` (:func:`auto_recipe_name`, with the ``fp8.backend`` that
+    will run there), log why, and write it into ``cfg.fp8.recipe``; returns it (None when not auto).
+
+    The trainer calls this once it knows its device, before it builds the model, so ``config.yaml`` and the
+    checkpoints record the recipe that ran: a resume on the same hardware picks the same one, and on other
+    hardware the checkpoint's ``fp8.recipe`` check names the difference. Validation and the launcher keep
+    ``auto`` (a login node is not the GPU the job runs on).
+    """
+    if cfg.fp8.recipe != AUTO_RECIPE:
+        return None
+    import logging
+
+    import torch
+
+    from nemo_fp8rl.fp8.backends import resolve_fp8_backend
+
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    try:
+        backend = resolve_fp8_backend(cfg.fp8.backend, dev)
+    except ValueError:
+        backend = cfg.fp8.backend  # an impossible backend is refused where the model is built
+    name, why = auto_recipe_name(dev, backend=backend)
+    logging.getLogger(__name__).info("fp8=auto: %s -> fp8.recipe=%s", why, name)
+    cfg.fp8.recipe = name
+    return name
+
+
+def _recipe_overrides(f) -> Dict[str, object]:
+    """The ``fp8`` group's fields that override a recipe's (``fp8_format`` / ``pow2_scales`` when set)."""
+    overrides: Dict[str, object] = dict(
         amax_history_len=f.amax_history_len, amax_compute_algo=f.amax_compute_algo, margin=f.margin,
         accumulation=f.accumulation, first_last_layers_bf16=f.first_last_layers_bf16,
         num_layers_at_start_in_bf16=f.num_layers_at_start_in_bf16,
@@ -260,18 +350,38 @@ def build_fp8_recipe(cfg) -> Optional[Fp8Recipe]:
         overrides["fp8_format"] = f.fp8_format
     if f.pow2_scales is not None:
         overrides["pow2_scales"] = f.pow2_scales
-    return resolve_recipe(f.recipe, **overrides)
+    return overrides
+
+
+def build_fp8_recipe(cfg) -> Optional[Fp8Recipe]:
+    """The training :class:`Fp8Recipe` from a :class:`~nemo_fp8rl.config.schema.TrainConfig`'s ``fp8``
+    group (the named recipe with the group's field overrides); None when FP8 is off. ``fp8.recipe=auto``
+    not yet resolved (:func:`resolve_auto_recipe`) builds what auto picks on this machine's default
+    device, leaving the config alone (the launcher's memory plan on a login node)."""
+    f = cfg.fp8
+    name = auto_recipe_name()[0] if f.recipe == AUTO_RECIPE else f.recipe
+    return resolve_recipe(name, **_recipe_overrides(f))
 
 
 def check_fp8_config(cfg) -> None:
-    """``fp8.recipe`` names a registered recipe (or alias, or off) and the ``fp8`` group's overrides
-    build a valid recipe from it; raises :class:`~nemo_fp8rl.config.schema.ConfigError` naming the key."""
+    """``fp8.recipe`` names a registered recipe (or alias, or off, or auto) and the ``fp8`` group's overrides
+    build a valid recipe from it (for ``auto``: from every recipe it may pick, :data:`AUTO_CANDIDATES`);
+    raises :class:`~nemo_fp8rl.config.schema.ConfigError` naming the key."""
     from nemo_fp8rl.config.schema import ConfigError
 
     if cfg.fp8.recipe is None or cfg.fp8.recipe == "off":
         return
+    if cfg.fp8.recipe == AUTO_RECIPE:
+        for name in AUTO_CANDIDATES:
+            try:
+                resolve_recipe(name, **_recipe_overrides(cfg.fp8))
+            except ValueError as e:
+                raise ConfigError(f"fp8=auto picks {name} on some hardware ({_AUTO_PICKS}), and "
+                                  f"{_fp8_keys(str(e))}; name the recipe (e.g. fp8=tensorwise) or drop the "
+                                  "override") from None
+        return
     if cfg.fp8.recipe not in RECIPES:
-        raise ConfigError(f"fp8.recipe={cfg.fp8.recipe!r} is unknown; valid: {list_recipes()} or fp8=off")
+        raise ConfigError(f"fp8.recipe={cfg.fp8.recipe!r} is unknown; valid: {list_recipes()}, auto or fp8=off")
     try:
         build_fp8_recipe(cfg)
     except ValueError as e:
