@@ -130,7 +130,10 @@ def longest_repeat(texts: Sequence[str], max_period: int = MAX_PERIOD) -> torch.
 
 def repetitive(texts: Sequence[str], min_chars: int, min_frac: float, max_period: int = MAX_PERIOD) -> torch.Tensor:
     """Which texts are repetitive: ``run(s) >= min_chars`` and ``run(s) >= min_frac * len(s)``. bool [n]."""
-    run = longest_repeat(texts, max_period)
+    return _repetitive(longest_repeat(texts, max_period), texts, min_chars, min_frac)
+
+
+def _repetitive(run: torch.Tensor, texts: Sequence[str], min_chars: int, min_frac: float) -> torch.Tensor:
     lens = torch.tensor([len(t) for t in texts], dtype=torch.float64)
     return (run >= min_chars) & (run.double() >= min_frac * lens) & (run > 0)
 
@@ -196,7 +199,7 @@ def degeneracy_metrics(texts: Sequence[str], *, repeat_min_chars: int, repeat_mi
     n = max(len(texts), 1)
     chars = max(sum(len(t) for t in texts), 1)
     run = longest_repeat(texts, max_period)
-    rep = repetitive(texts, repeat_min_chars, repeat_min_frac, max_period) if texts else torch.zeros(0, dtype=torch.bool)
+    rep = _repetitive(run, texts, repeat_min_chars, repeat_min_frac)
     return {
         "stability/repetitive_frac": make_metric(rep.double().sum() / n, "mean"),
         "stability/repeat_run_max": make_metric(float(run.max()) if run.numel() else 0.0, "max"),
