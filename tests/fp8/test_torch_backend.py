@@ -18,7 +18,6 @@ import torch
 from nemo_fp8rl.fp8 import Fp8Linear, Fp8LinearState, convert_to_fp8, fp8_linear, get_recipe, quantize_operand
 from nemo_fp8rl.fp8 import backends
 from nemo_fp8rl.fp8.backends import (
-    QuantizedOperand,
     gemm_error_bound,
     resolve_fp8_backend,
     scaled_mm_args,
