@@ -64,8 +64,17 @@ def run(ctx) -> dict:
                 y = fp8_linear(x, w, None, rec, st, backend="torch")
                 torch.autograd.grad(y, (x, w), dy)
 
-        fwd = time_ms(old_logp, ctx.device, warmup, repeats)
-        fwd_bwd = time_ms(update, ctx.device, warmup, repeats)
+        try:
+            fwd = time_ms(old_logp, ctx.device, warmup, repeats)
+            fwd_bwd = time_ms(update, ctx.device, warmup, repeats)
+        except Exception as e:  # noqa: BLE001  (one recipe failing must not end the part)
+            import traceback
+
+            res.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:500]
+            res["traceback"] = res.get("traceback", "") + f"--- {name}\n{traceback.format_exc()[-3000:]}"
+            free_memory()
+            ctx.save()
+            continue
         step = fwd + fwd_bwd
         res["recipes"][name] = {"fp8_forward_ms": fwd, "fp8_forward_backward_ms": fwd_bwd, "step_ms": step,
                                 "calibration_step_overhead": 2 * res["shadow_ms"] / step,
@@ -73,6 +82,8 @@ def run(ctx) -> dict:
         ctx.save()
     layers = None
     free_memory()
+    if res.get("errors"):
+        res["failed"] = f"recipe(s) {sorted(res['errors'])} raised; the others were timed"
     return res
 
 
