@@ -1,14 +1,21 @@
 """FP8 schemes of the rollout (inference) engine, separate from the training recipe as in real stacks.
 
 An inference engine quantizes the synced weights once per weight sync and the activations on the
-fly. Its scales follow vLLM's FP8 kernels, which *divide* by a scale ``amax / M`` rather than
-multiply by ``M / amax``:
+fly. Its scales follow vLLM's FP8 (E4M3) kernels: the scale is ``s = amax / 448`` (the factor that
+dequantizes), and each kernel either multiplies by its float32 reciprocal or divides by it, which
+rounds ties differently, so each rule below says which (``tests/fp8/_vllm_reference.py`` ports them):
 
-* ``vllm_w8a8`` (default): weight per tensor, ``s_w = amax(W) / 448``, ``W_hat = sat(W / s_w) * s_w``;
-  activations per token (row), ``s_x = max(amax(x_row) / 448, 1 / (448 * 512))``,
-  ``x_hat = sat(x / s_x) * s_x``.
-* ``vllm_block``: weight in 128x128 tiles, ``s = amax(tile) / 448``; activations in dynamic 1x128
-  groups along K, ``s = max(amax(group), 1e-10) / 448``.
+* ``vllm_w8a8`` (default): weight per tensor, ``s_w = amax(W) / 448``, ``W_hat = sat(W * fp32(1/s_w)) * s_w``
+  (``scaled_fp8_quant(w, scale=None)``, run by ``Fp8PerTensorOnlineLinearMethod`` at every weight reload:
+  the dynamic per-tensor kernel multiplies by the reciprocal); activations per token (row),
+  ``s_x = max(amax(x_row) / 448, 1 / (448 * 512))``, ``x_hat = sat(x / s_x) * s_x`` (CUDA's
+  ``dynamic_per_token_scaled_fp8_quant`` divides; vLLM's torch path ``QuantFP8.forward_native``, used on
+  CPU and when the ``quant_fp8`` custom op is off, multiplies by the reciprocal instead; our vLLM
+  engine runs with ``enforce_eager``, so the CUDA kernel).
+* ``vllm_block``: weight in 128x128 tiles, ``s = amax(tile) / 448``, ``W_hat = sat(W / s) * s`` (our sync
+  ships these tiles as a block-FP8 checkpoint, ``rollout/vllm_fp8.py``, and vLLM reads them as they are);
+  activations in dynamic 1x128 groups along K, ``s = max(amax(group), 1e-10) / 448``, ``sat(x / s) * s``
+  (``per_token_group_quant_8bit`` divides).
 * ``same_as_train``: the training recipe's forward quantization (inputs and weights), so rollout and
   trainer differ only by what the trainer does after sampling (delayed scaling is replaced by
   current per-tensor scaling: an inference engine has no amax history).
@@ -39,8 +46,21 @@ _BLOCK_EPS = 1e-10
 
 
 def _divide_quant(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``sat_e4m3(x / s) * s`` (vLLM convention), float32."""
+    """``sat_e4m3(x / s) * s``, float32 (vLLM's per-token and per-group activation kernels)."""
     return cast_to_fp8(x / s, E4M3).float() * s
+
+
+def _per_tensor_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``scaled_fp8_quant(w, scale=None)``: ``(sat_e4m3(w * fp32(1/s)), s)``, ``s = amax(w) / 448``.
+
+    The kernel computes the reciprocal once and multiplies each element by it; ``w / s`` would round
+    ~1.5% of the codes of some bf16 weights the other way. An all-zero w gets s = 1 here (vLLM's kernel
+    writes 448 with s = 0; both read back 0).
+    """
+    wf = w.float()
+    s = wf.abs().amax() / 448.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return cast_to_fp8(wf * (1.0 / s), E4M3), s
 
 
 class RolloutScheme:
@@ -74,24 +94,20 @@ class VllmW8A8(RolloutScheme):
     name = "vllm_w8a8"
 
     def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """``s_w = amax(W)/448``; ``W_hat = sat(W / s_w) * s_w``; W [N, K]."""
-        wf = w.float()
-        s = wf.abs().amax() / 448.0
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        return _divide_quant(wf, s)
+        """``s_w = amax(W)/448``; ``W_hat = sat(W * fp32(1/s_w)) * s_w``; W [N, K]."""
+        q, s = _per_tensor_weight(w)
+        return q.float() * s
 
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
-        """Per token: ``s = max(amax(x_row)/448, 1/(448*512))``; x [..., K]."""
+        """Per token: ``s = max(amax(x_row)/448, 1/(448*512))``, ``sat(x / s) * s``; x [..., K]."""
         xf = x.float()
         s = (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=_VLLM_MIN_SCALE)
         return _divide_quant(xf, s)
 
     def weight_fp8(self, w: torch.Tensor) -> QuantizedOperand:
-        """W [N, K] -> E4M3 ``sat(W / s_w)`` and s_w repeated per row ([N, 1]: row-wise GEMM layout)."""
-        wf = w.float()
-        s = wf.abs().amax() / 448.0
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        return QuantizedOperand(cast_to_fp8(wf / s, E4M3).contiguous(), s.expand(wf.shape[0], 1).contiguous(), "row")
+        """W [N, K] -> E4M3 ``sat(W * fp32(1/s_w))``, s_w repeated per row ([N, 1]: row-wise GEMM layout)."""
+        q, s = _per_tensor_weight(w)
+        return QuantizedOperand(q.contiguous(), s.expand(w.shape[0], 1).contiguous(), "row")
 
     def activation_fp8(self, x: torch.Tensor) -> QuantizedOperand:
         """x [M, K] -> E4M3 ``sat(x / s_x)`` with per-token s_x [M, 1]."""
