@@ -59,6 +59,26 @@ class RolloutFp8Config:
 
     scheme: str = "vllm_w8a8"
     """off | vllm_w8a8 | vllm_block | same_as_train. Forced to off when training FP8 is off (bf16 arm)."""
+    kv_cache: str = "off"
+    """FP8 KV cache: off | e4m3 | e5m2 (vLLM's kv_cache_dtype fp8_e4m3 / fp8_e5m2). Keys (after RoPE) and
+    values are stored in FP8 with one float32 scale per layer and attended to as read back; the torch
+    engine emulates vLLM's GPU rules, the vllm engine runs vLLM's (GPU, or vLLM-CPU with AVX-512 / AMX).
+    Forced to off when training FP8 is off (bf16 arm). docs/rollout.md, "FP8 KV cache"."""
+    kv_scales: str = "static"
+    """Scales of the FP8 KV cache: static (vLLM's default without checkpoint scales: 1.0 for every layer) |
+    calibrated (recomputed at every weight sync from a high-precision forward of the synced weights over the
+    latest rollout batch, and shipped with the sync: per layer, the kv_calib_percentile-th percentile of the
+    per-sequence amax of |k|, |v| and |q|, times kv_calib_margin, over the FP8 maximum; NeMo RL's recipe)."""
+    kv_calib_percentile: float = 99.9
+    """kv_scales=calibrated: percentile (0, 100] over the sequences' amaxes (NeMo RL: 99.9)."""
+    kv_calib_margin: float = 1.05
+    """kv_scales=calibrated: headroom factor on the percentile amax (NeMo RL: 1.05)."""
+    num_layers_at_start_in_bf16: int = 0
+    """First decoder layers the rollout keeps in high precision: their linears skip the FP8 scheme and their
+    KV cache stays in the engine dtype (vLLM: the quantization config's ignored layers and
+    kv_cache_dtype_skip_layers). Named as the training recipe's fp8.num_layers_at_start_in_bf16; 0 = none."""
+    num_layers_at_end_in_bf16: int = 0
+    """Last decoder layers the rollout keeps in high precision (as num_layers_at_start_in_bf16); 0 = none."""
 
 
 @dataclass
@@ -423,6 +443,30 @@ def _resolve_fp8_backend_key(f: Fp8Config) -> None:
         f.use_te = None
 
 
+def _check_rollout_fp8(r: RolloutFp8Config, num_layers: int) -> None:
+    """``rollout.fp8``'s KV-cache and edge-layer keys (the scheme's name is checked by ``validate``)."""
+    check_choice("rollout.fp8.kv_cache", r.kv_cache, ["off", "e4m3", "e5m2"])
+    check_choice("rollout.fp8.kv_scales", r.kv_scales, ["static", "calibrated"])
+    if r.kv_scales == "calibrated" and r.kv_cache == "off":
+        raise ConfigError("rollout.fp8.kv_scales=calibrated calibrates the FP8 KV cache, but rollout.fp8.kv_cache=off; "
+                          "set rollout.fp8.kv_cache=e4m3 or rollout.fp8.kv_scales=static")
+    if not (isinstance(r.kv_calib_percentile, (int, float)) and 0.0 < r.kv_calib_percentile <= 100.0):
+        raise ConfigError(f"rollout.fp8.kv_calib_percentile={r.kv_calib_percentile!r} must be in (0, 100] "
+                          "(NeMo RL uses 99.9)")
+    if not (isinstance(r.kv_calib_margin, (int, float)) and math.isfinite(r.kv_calib_margin) and r.kv_calib_margin > 0):
+        raise ConfigError(f"rollout.fp8.kv_calib_margin={r.kv_calib_margin!r} must be a number > 0 (NeMo RL uses 1.05; "
+                          "below 1 the largest keys and values saturate)")
+    for key in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        n = getattr(r, key)
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+            raise ConfigError(f"rollout.fp8.{key}={n!r} must be an integer >= 0 (0 = no high-precision edge layers)")
+    if r.num_layers_at_start_in_bf16 + r.num_layers_at_end_in_bf16 > num_layers:
+        raise ConfigError(
+            f"rollout.fp8.num_layers_at_start_in_bf16={r.num_layers_at_start_in_bf16} + num_layers_at_end_in_bf16="
+            f"{r.num_layers_at_end_in_bf16} exceeds model.num_layers={num_layers}; lower them (or use "
+            "rollout.fp8.scheme=off and rollout.fp8.kv_cache=off for a high-precision rollout)")
+
+
 def check_values(cfg: TrainConfig) -> TrainConfig:
     """Reject values and combinations of this config's own keys that cannot work, naming the key and the
     fix. Returns cfg (with ``fp8.use_te`` folded into ``fp8.backend``).
@@ -468,6 +512,7 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("rollout.max_new_tokens must be >= 1")
     if not isinstance(cfg.rollout.enable_sleep, bool):
         raise ConfigError(f"rollout.enable_sleep={cfg.rollout.enable_sleep!r} must be true or false")
+    _check_rollout_fp8(cfg.rollout.fp8, cfg.model.num_layers)
 
     if c.interval < 1:
         raise ConfigError(f"calibration.interval={c.interval} must be >= 1")

@@ -52,7 +52,9 @@ from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.fp8 import collect_fp8_stats
 from nemo_fp8rl.fp8.recipes import build_fp8_recipe
 from nemo_fp8rl.trainer.calibration_pass import make_calibration_pass
+from nemo_fp8rl.rollout.fp8_setup import rollout_fp8_setup
 from nemo_fp8rl.trainer.checkpoint import CheckpointManager
+from nemo_fp8rl.trainer.kv_scales import KvScaleSync
 from nemo_fp8rl.trainer.logger import MetricsLogger
 from nemo_fp8rl.validation import validate
 
@@ -129,6 +131,8 @@ class RLTrainer:
             )
         self.local_prompts = a.prompts_per_step // self.actor.dp_size
         self.engine, self._split = self._build_engine(tok)
+        self.kv_sync = KvScaleSync(self.rollout_fp8, self.model_cfg, task=self.task, seed=cfg.seed, dp_rank=dp_rank,
+                                   prompts=self.local_prompts, device=self.actor.device, pad_id=tok.pad_id)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             max_new_tokens=cfg.rollout.max_new_tokens, stop_on_eos=cfg.rollout.stop_on_eos,
@@ -180,7 +184,7 @@ class RLTrainer:
 
         cfg = self.cfg
         # The bf16 arm is high precision end to end: no FP8 in the rollout either.
-        scheme = cfg.rollout.fp8.scheme if self.recipe is not None else "off"
+        self.rollout_fp8 = rollout_fp8_setup(cfg, self.model_cfg.num_layers, training_fp8=self.recipe is not None)
         # Who generates what (_engine_generate). A replica's M model-parallel ranks hold M / T rollout
         # engines (T = rollout.tensor_parallel_size; vLLM groups T consecutive global ranks, which must lie
         # in one replica: checked here on every rank alike, before the engine build, which is collective).
@@ -205,7 +209,7 @@ class RLTrainer:
             real = self.actor.fp8_backend in ("torch", "te") and self.actor.device.type == "cuda"
             engine_kw = {"device": self.actor.device, "fp8_gemm": "torch" if real else "emulate"}
         engine = get_rollout_engine(
-            cfg.rollout.engine, self.model_cfg, fp8_scheme=scheme, train_recipe=self.recipe,
+            cfg.rollout.engine, self.model_cfg, **self.rollout_fp8.engine_kwargs(), train_recipe=self.recipe,
             eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None), options=cfg.rollout,
             **engine_kw,
         )
@@ -389,8 +393,9 @@ class RLTrainer:
         with _timed(timings, "rollout"):
             with _timed(timings, "weight_sync"):  # part of timing/rollout
                 # streamed layer by layer (TP-gathered, PP-broadcast): never a full copy of the model per rank
-                self.engine.update_weights(self.actor.iter_weights())
+                kv_metrics = self.kv_sync.sync(self.engine, self.actor.iter_weights())  # + FP8 KV-cache scales
             batch, scores, rewards, adv, ds_metrics = self._rollout()
+            self.kv_sync.observe(batch)  # the next sync's KV-scale calibration data
             self.engine.sleep()  # a colocated GPU engine frees its memory for training (the next sync wakes it)
         mask = batch.mask.float()
         rollout_logp = batch.rollout_logp.float() * mask
@@ -435,6 +440,7 @@ class RLTrainer:
             "rollout/eos_frac": make_metric(batch.finished.float().mean(), "mean"),
         }
         local.update(ds_metrics)
+        local.update(kv_metrics)
         if hasattr(self.task, "skipped_rows"):  # data.on_error=skip: malformed rows seen so far
             local["data/skipped_rows"] = make_metric(torch.tensor(float(self.task.skipped_rows)), "max")  # same file on every rank
         local.update(rc_metrics)
@@ -590,6 +596,7 @@ class RLTrainer:
             "task": self.task.state_dict(),
             "calibrator": self.calibrator.state_dict() if self.calibrator is not None else None,
             "monitor": self.monitor.state_dict(),
+            "kv_scales": self.kv_sync.state_dict(),
             "rng": {"rollout": self.rollout_gen.get_state(), "shuffle": self.shuffle_gen.get_state(),
                     "torch": torch.get_rng_state()},
             "counters": {"consecutive_skips": self.consecutive_skips, "skipped_total": self.skipped_total,
@@ -660,6 +667,7 @@ class RLTrainer:
             self.rollout_gen.set_state(st["rng"]["rollout"])
             self.shuffle_gen.set_state(st["rng"]["shuffle"])
             torch.set_rng_state(st["rng"]["torch"])
+            self.kv_sync.load_state_dict(st.get("kv_scales"))  # absent before the FP8 KV cache existed
 
     def save_checkpoint(self, wait: bool = False) -> Path:
         """Checkpoint this step; with ``trainer.async_save`` it is published later (each step end's
