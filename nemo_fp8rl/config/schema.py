@@ -23,7 +23,10 @@ class Fp8Config:
     """Training FP8 (the trainer's GEMMs). ``recipe: null`` (the ``fp8=off`` group) = high precision."""
 
     recipe: Optional[str] = None
-    """delayed | tensorwise | rowwise | blockwise | mxfp8 (or a Megatron-Bridge alias); null = FP8 off."""
+    """delayed | tensorwise | rowwise | blockwise | mxfp8 (or a Megatron-Bridge alias); null = FP8 off;
+    auto (``fp8=auto``) = by hardware when the trainer starts: mxfp8 on sm100+, blockwise on sm90,
+    tensorwise on sm89, emulated tensorwise on the CPU (``nemo_fp8rl.fp8.recipes.auto_recipe_name``); the
+    run's config.yaml records the recipe picked."""
     fp8_format: Optional[str] = None
     """e4m3 | hybrid | e5m2 (emulation-only stress setting); null = the recipe's default (hybrid for
     delayed/tensorwise, e4m3 otherwise)."""
