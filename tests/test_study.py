@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "trainer"))
 from _cli import TINY  # noqa: E402
 
@@ -38,8 +40,8 @@ def test_plan_covers_the_grid_and_ablations():
 
 def test_long_group_runs_resumes_and_summarizes(tmp_path):
     out = tmp_path / "study"
-    cmd = [sys.executable, str(RUN_STUDY), "--out", str(out), "--only", "long", "--seeds", "1", "--long-steps", "2",
-           "--jobs", "2", "--extra", *TINY]
+    cmd = [sys.executable, str(RUN_STUDY), "--out", str(out), "--record", str(tmp_path / "records"), "--only", "long",
+           "--seeds", "1", "--long-steps", "2", "--jobs", "2", "--extra", *TINY]
     out.mkdir()
     earlier = {"group": "main", "name": "grpo/bf16/seed9", "seed": 9, "overrides": ["algorithm=grpo"]}
     (out / "study.json").write_text(json.dumps({"steps": 60, "runs": [earlier], "common": []}))
@@ -70,6 +72,20 @@ def test_long_group_runs_resumes_and_summarizes(tmp_path):
     assert rows[1].split("|")[3].strip() == f"{sum(rewards) / 2:.3f}"
     assert (figs / "long_e5m2_lr2e-4_seed1.png").stat().st_size > 10_000
 
+    # more steps asked of a finished run: it resumes from its last checkpoint (step 2, keep_last=1), it does
+    # not start again
+    bf16 = out / "long" / "e5m2_lr2e-4" / "bf16" / "seed1"
+    assert [p.name for p in (bf16 / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_2"]
+    before = (bf16 / "metrics.jsonl").read_text().splitlines()
+    third = subprocess.run([*cmd[:cmd.index("--long-steps")], "--long-steps", "3", "--match", "bf16",
+                            *cmd[cmd.index("--long-steps") + 2:]], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "start long/e5m2_lr2e-4/bf16/seed1: resume from step 2" in third.stdout and "1/1 runs ok" in third.stdout
+    after = (bf16 / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in after] == [0, 1, 2]
+    assert after[:2] == before  # steps 0-1 kept as they were (a restart would have rewritten their timings)
+    assert "resumed from" in (out / "logs" / "long__e5m2_lr2e-4__bf16__seed1.log").read_text()
+
 
 def test_summarize_keeps_sections_whose_runs_are_not_in_the_study_dir():
     """A study directory holding one group must not wipe the others' tables from docs/results.md."""
@@ -93,3 +109,182 @@ def test_summarize_keeps_sections_whose_runs_are_not_in_the_study_dir():
     assert "old preamble" in merged and "60 steps" in merged  # they describe the kept main grid
     assert "| bf16 | 2 | 0.19 |" in merged and "No runs of the real group" not in merged  # measured: new wins
     assert merged.rstrip().endswith("new")  # sections without run tables are regenerated
+
+
+# ------------------------------------------------------------------ issue 28's protocol, chunks, resume, commit
+def _run_study_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_study", RUN_STUDY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _study(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RUN_STUDY), *args], capture_output=True, text=True, cwd=ROOT,
+                          check=check, timeout=120)
+
+
+def _stage_args(mod, *argv: str):
+    """run_study's parsed arguments for ``argv`` (its own parser, through main's argparse setup)."""
+    import argparse
+
+    ns = argparse.Namespace(stage=None, points="", regime="", conditions="", condition="", confirm_seeds="11,12,13",
+                            sweep_steps=100, explore_steps=100, confirm_steps=100, checkpoint_every=10)
+    for a in argv:
+        k, _, v = a.partition("=")
+        setattr(ns, k, type(getattr(ns, k))(v) if getattr(ns, k) is not None else v)
+    return ns
+
+
+def test_protocol_stages_plan_arms_and_fresh_confirmation_seeds():
+    mod = _run_study_module()
+    sweep = mod.stage_runs(_stage_args(mod, "stage=sweep"))
+    assert [r["name"] for r in sweep] == [f"{p}/seed1" for p in mod.SWEEP] and {r["arm"] for r in sweep} == {"bf16"}
+    explore = {r["name"]: r for r in mod.stage_runs(_stage_args(mod, "stage=explore", "regime=lr1e-5"))}
+    assert "lr1e-5/bf16/seed1" in explore and "lr1e-5/e5m2/fp8/seed1" in explore
+    assert "lr1e-5/e5m2/bf16/seed1" not in explore  # an FP8-only condition shares the regime's BF16 run
+    assert explore["lr1e-5/2xlr/bf16/seed1"]["overrides"][-3] == "optim.lr=2e-05"  # {lr2x}: twice the regime's
+    confirm = mod.stage_runs(_stage_args(mod, "stage=confirm", "regime=lr1e-5", "condition=e5m2"))
+    assert len(confirm) == 3 * 4 and {r["seed"] for r in confirm} == {11, 12, 13}
+    by_arm = {r["arm"]: r["overrides"] for r in confirm if r["seed"] == 11}
+    assert set(by_arm) == {"bf16", "fp8", "fp8_calibrated", "fp8_calibrated_upper_fixed"}
+    assert by_arm["bf16"][-2:] == ["fp8=off", "calibration=measure"] and "fp8.fp8_format=e5m2" not in by_arm["bf16"]
+    assert by_arm["fp8_calibrated_upper_fixed"][-2:] == ["calibration=paper", "calibration.upper_mode=fixed"]
+    bad = _study("--stage", "confirm", "--regime", "lr1e-5", "--condition", "e5m2", "--confirm-seeds", "1,7",
+                 "--plan", check=False)
+    assert bad.returncode and "[1] were used by the sweep or the exploration" in bad.stderr
+    assert "needs --condition" in _study("--stage", "confirm", "--regime", "base", "--plan", check=False).stderr
+
+
+def test_protocol_runs_compose_into_valid_configs(tmp_path):
+    """Every run of every stage composes (Hydra, with the runner's own command-line additions) and
+    validates, with the settings the protocol promises; nothing is fetched or trained."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from nemo_fp8rl.train import CONF_DIR, register_schema
+    from nemo_fp8rl.validation import validate
+
+    mod = _run_study_module()
+    runs = (mod.stage_runs(_stage_args(mod, "stage=sweep"))
+            + mod.stage_runs(_stage_args(mod, "stage=explore", "regime=lr1e-5"))
+            + mod.stage_runs(_stage_args(mod, "stage=confirm", "regime=base", "condition=blockwise", "confirm_seeds=11")))
+    register_schema()
+    GlobalHydra.instance().clear()
+    cfgs = {}
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for r in runs:
+            cmd = mod.command(r, tmp_path, r["steps"], [])
+            cfg = validate(OmegaConf.to_object(compose("config", overrides=cmd[3:])))
+            cfgs[(r["group"], r["name"])] = cfg
+            assert cfg.model.hf_path == "registry:smollm2-135m" and cfg.task.name == "reasoning_gym"
+            assert cfg.trainer.keep_last == 1 and cfg.trainer.checkpoint_interval == 10 and cfg.resume
+            assert cfg.calibration.enabled and cfg.calibration.interval == mod.PROTOCOL_CALIB_INTERVAL
+            assert cfg.calibration.apply == r["arm"].startswith("fp8_calibrated")
+            assert (cfg.fp8.recipe is None) == (r["arm"] == "bf16")
+            assert cfg.calibration.upper_mode == ("fixed" if r["arm"].endswith("upper_fixed") else "balance")
+    GlobalHydra.instance().clear()
+    easy = cfgs[("sweep", "lr1e-5_easy/seed1")]
+    assert easy.task.dataset_kwargs["max_terms"] == 2 and easy.task.dataset_kwargs["max_digits"] == 1
+    assert easy.optim.lr == 1e-5
+    assert cfgs[("sweep", "base/seed1")].optim.lr == 3e-6 and cfgs[("sweep", "base/seed1")].seed == 1
+    assert cfgs[("sweep", "lr1e-5_reason64/seed1")].task.system_prompt.startswith("Think in one or two")
+    assert cfgs[("sweep", "lr1e-5_group8/seed1")].algorithm.group_size == 8
+    assert cfgs[("explore", "lr1e-5/2xlr/bf16/seed1")].optim.lr == 2e-5
+    assert cfgs[("explore", "lr1e-5/e5m2/fp8/seed1")].fp8.fp8_format == "e5m2"
+    assert cfgs[("confirm", "base/blockwise/fp8_calibrated/seed11")].fp8.recipe == "blockwise"
+
+
+def _fake_run(d: Path, steps: int, step_s: float, overrides: list[str], checkpoint: int | None = None):
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward/mean": 0.1, "timing/step": step_s}) + "\n"
+                                             for i in range(steps)))
+    (d / "study_run.json").write_text(json.dumps({"overrides": overrides, "seed": 1}))
+    (d / "samples.jsonl").write_text(json.dumps({"step": 0, "prompt": "p", "question": "1+2", "answer": "3",
+                                                 "response": "<answer>3</answer>", "reward": 1.0, "correct": True,
+                                                 "invalid": False}) + "\n")
+    (d / "config.yaml").write_text("seed: 1\n")
+    if checkpoint is not None:
+        ck = d / "checkpoints" / f"step_{checkpoint}"
+        (ck / "dist").mkdir(parents=True)
+        (ck / "meta.json").write_text("{}")
+        (ck / "dist" / "__0_0.distcp").write_bytes(b"0" * 64)
+        (d / "checkpoints" / "latest").write_text(f"step_{checkpoint}\n")
+        (d / "hf").mkdir()
+        (d / "hf" / "model.safetensors").write_bytes(b"0" * 64)
+
+
+def test_run_state_resume_decision_and_plan(tmp_path):
+    mod = _run_study_module()
+    out, record = tmp_path / "out", tmp_path / "records"
+    runs = {r["name"]: r for r in mod.stage_runs(_stage_args(mod, "stage=sweep", "sweep_steps=10"))}
+    base, lr, lr3, mb4 = (runs[f"{p}/seed1"] for p in ("base", "lr1e-5", "lr3e-5", "lr1e-5_mb4"))
+    _fake_run(out / "sweep" / "base/seed1", 10, 40.0, base["overrides"])  # finished
+    _fake_run(out / "sweep" / "lr1e-5/seed1", 6, 20.0, lr["overrides"], checkpoint=4)  # cut after step 5
+    _fake_run(out / "sweep" / "lr3e-5/seed1", 3, 20.0, lr3["overrides"])  # cut before its first checkpoint
+    _fake_run(record / "sweep" / "lr1e-5_mb4/seed1", 10, 30.0, mb4["overrides"])  # committed, not on this disk
+    assert mod.run_state(base, out, record, 10) == ("done", 10)
+    assert mod.run_state(lr, out, record, 10) == ("resume", 4)
+    assert mod.run_state(lr3, out, record, 10) == ("restart", 0)
+    assert mod.run_state(mb4, out, record, 10) == ("done", 10)  # a clean clone skips what is committed
+    assert mod.run_state(runs["lr1e-5_easy/seed1"], out, record, 10) == ("fresh", 0)
+    assert mod.run_state(base, out, record, 12) == ("restart", 0)  # more steps asked, no checkpoint on disk
+
+    plan = _study("--stage", "sweep", "--sweep-steps", "10", "--out", str(out), "--record", str(record),
+                  "--plan", "--jobs", "2").stdout
+    lines = {line.split()[1]: line for line in plan.splitlines() if line.startswith("  sweep ")}
+    assert "base/seed1" not in lines and "lr1e-5_mb4/seed1" not in lines  # done: not in any chunk
+    assert "resume from step 4, 6/10 steps" in lines["lr1e-5/seed1"]
+    assert "20.0 s/step, measured: this run" in lines["lr1e-5/seed1"]
+    assert "restart, 10/10 steps" in lines["lr3e-5/seed1"]
+    # the same settings up to the learning rate (which does not change the cost): base's 40 s, lr1e-5's and
+    # lr3e-5's own (cut) 20 s
+    assert "26.7 s/step, measured: 3 run(s) with these settings" in lines["lr3e-5/seed1"]
+    # other settings, same model and precision: scaled by the batch's tokens (epochs 2: twice the work)
+    assert "s/step, measured: 4 real/bf16 run(s), scaled by tokens" in lines["lr1e-5_epochs2/seed1"]
+    assert "STEP_SECONDS" not in plan
+    assert plan.splitlines()[0].startswith("chunk 1: ~") and "done: 2" in plan.splitlines()[-1]
+    assert f"remaining: {len(runs) - 2} of {len(runs)} runs" in plan
+
+
+def test_chunks_fit_the_budget_with_parallel_jobs():
+    mod = _run_study_module()
+    assert mod.lanes_wall_s([60, 60, 60], 2) == 120 and mod.lanes_wall_s([100, 10, 10, 10], 2) == 100
+    rows = [{"remaining": 1, "est_s": e} for e in (3000, 3000, 3000, 3000, 9000, 100)]
+    parts = mod.chunks(rows, 2, 7200)
+    assert [[r["est_s"] for r in c] for c in parts] == [[3000, 3000, 3000, 3000], [9000], [100]]
+    assert mod.chunks([{"remaining": 0, "est_s": 0.0}], 2, 7200) == []
+
+
+def test_commit_records_small_files_and_never_checkpoints(tmp_path):
+    mod = _run_study_module()
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True)
+    (repo / "other.txt").write_text("someone else's staged change\n")
+    subprocess.run(["git", "-C", str(repo), "add", "other.txt"], check=True)
+    d = tmp_path / "out" / "confirm" / "base/e5m2/fp8/seed11"
+    _fake_run(d, 3, 1.0, ["fp8=tensorwise"], checkpoint=2)
+    (d / "tb").mkdir()
+    (d / "tb" / "events").write_text("x")
+    (d / "train.log").write_text("log\n")
+    assert [p.name for p in mod.small_files(d)] == ["metrics.jsonl", "samples.jsonl", "config.yaml", "study_run.json"]
+    run = {"group": "confirm", "name": "base/e5m2/fp8/seed11"}
+    paths = mod.record_run(run, d, repo / "records")
+    assert all("checkpoints" not in p.parts and "hf" not in p.parts for p in paths)
+    assert {p.relative_to(repo / "records" / "confirm" / run["name"]).as_posix() for p in paths} == {
+        "metrics.jsonl", "samples.jsonl", "config.yaml", "study_run.json", "report/report.png", "report/summary.md"}
+    assert mod.commit_paths(paths, "study run")
+    files = subprocess.run(["git", "-C", str(repo), "show", "--name-only", "--format=", "HEAD"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert sorted(files) == sorted(p.relative_to(repo).as_posix() for p in paths)  # not other.txt
+    staged = subprocess.run(["git", "-C", str(repo), "diff", "--cached", "--name-only"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert staged == ["other.txt"]  # the other change stays staged, uncommitted
+    assert not mod.commit_paths(paths, "again")  # unchanged: nothing to commit
+    with pytest.raises(ValueError, match="refusing"):
+        mod.commit_paths([d / "checkpoints" / "step_2" / "meta.json"], "no")

@@ -1,16 +1,67 @@
-"""The paper in miniature: arms x FP8 recipes x algorithms x seeds, plus Calibrated Clipping ablations.
+"""The study runner: the paper in miniature on the tiny model, the real-model groups, and issue 28's protocol.
 
-Every run is the real CLI (``python -m nemo_fp8rl.train``) on the built-in arithmetic task with the tiny
-model, FP8 in training and rollout, old log-probs from the rollout engine (the demo's setting, where
-the FP8 ratio noise is visible at this scale). Runs go to ``<out>/<group>/<name>/``; a run whose
-``metrics.jsonl`` already has all its steps is skipped, so the study can be resumed. ``--jobs`` runs
-execute side by side (one torch thread each). Afterwards ``summarize.py`` writes ``docs/results.md``.
+Every run is the real CLI (``python -m nemo_fp8rl.train``), FP8 in training and rollout, old log-probs from
+the rollout engine (the demo's setting, where the FP8 ratio noise is visible). Runs go to
+``<out>/<group>/<name>/``. ``--jobs`` runs execute side by side (one torch thread each). Afterwards
+``summarize.py`` writes ``docs/results.md``.
 
-    python benchmarks/study/run_study.py --out runs/study --steps 100 --jobs 2            # everything
+    python benchmarks/study/run_study.py --out runs/study --steps 100 --jobs 2            # the tiny groups
     python benchmarks/study/run_study.py --only main --recipes tensorwise --seeds 1         # a slice
     python benchmarks/study/run_study.py --list                                             # the plan
 
-Groups:
+**Issue 28's protocol** (``--stage``; SmolLM2-135M on reasoning-gym, docs/results.md): find a regime where
+BF16 learns, find the mildest FP8 condition under which fixed-clip FP8 falls behind on seed 1, then confirm
+on fresh seeds::
+
+    python benchmarks/study/run_study.py --stage sweep --plan                       # BF16 regime sweep, seed 1
+    python benchmarks/study/run_study.py --stage sweep --chunks 1 --commit          # the next <= 2 h of it
+    python benchmarks/study/run_study.py --stage explore --regime lr1e-5 --plan     # FP8 conditions, seed 1
+    python benchmarks/study/run_study.py --stage explore --regime lr1e-5 --chunks 1 --commit
+    python benchmarks/study/run_study.py --stage confirm --regime lr1e-5 --condition e5m2 --plan
+    python benchmarks/study/run_study.py --stage confirm --regime lr1e-5 --condition e5m2 --chunks 1 --commit
+
+* ``sweep``: the BF16 arm (``fp8=off calibration=measure``: bounds nominal, BF16's own ``calib/`` metrics
+  and negative push logged) at each named point of :data:`SWEEP` (learning rate, minibatches/epochs, group
+  size, task and difficulty, response format and length), seed :data:`SWEEP_SEED`, ``--sweep-steps``.
+* ``explore``: on the ``--regime`` sweep point, seed :data:`EXPLORE_SEED`: BF16 and fixed-clip FP8
+  (``calibration=measure``) under each condition of :data:`EXPLORE` (a condition's non-FP8 overrides, e.g.
+  the learning rate or the response length, apply to its BF16 reference too), ``--explore-steps``.
+* ``confirm``: on the ``--regime`` and the exploration's ``--condition``, ``--confirm-seeds`` (never a
+  sweep or exploration seed: refused), the arms of :data:`PROTOCOL_ARMS`: bf16, fp8 (fixed clip),
+  fp8_calibrated (``calibration=paper``) and fp8_calibrated_upper_fixed (``calibration.upper_mode=fixed``),
+  ``--confirm-steps``.
+
+Every protocol run calibrates (or, bf16 and fixed clip, measures) every :data:`PROTOCOL_CALIB_INTERVAL`
+steps, so every arm logs ``calib/neg_push`` (nemo_fp8rl/algorithms/push.py) on the same steps.
+
+**Surviving interruption.** Any run of any group:
+
+* is *done* when its ``metrics.jsonl`` (in ``<out>`` or in the ``--record`` copy) holds all its steps;
+* is *resumed* from its newest checkpoint when one is on disk (``resume=true``; checkpoints every
+  ``--checkpoint-every`` steps of the protocol, ``trainer.keep_last=1`` always), else *restarted*;
+* has its settings written to ``<run>/study_run.json`` (stage, name, seed, steps, overrides, command, and
+  each attempt: start, step resumed from, code commit, wall time, exit code); a run directory whose
+  recorded overrides differ from the plan's is refused, not mixed;
+* with ``--commit``: once finished, its small files (:data:`SMALL_FILES`: metrics, samples, resolved
+  config, warm-up record, study_run.json) and a per-run figure (``report/report.png``, ``summary.md``) are
+  copied to ``<record>/<group>/<name>/`` (default ``benchmarks/study/records``) and committed with
+  ``git add`` + ``git commit -- <those paths>``: never a checkpoint, the ``hf/`` export or the warm-up cache.
+
+``--plan`` prints the remaining work in chunks of at most ``--chunk-hours`` (2 h) at ``--jobs`` runs side
+by side, each run's state (fresh / restart / resume from step N), remaining steps and estimated minutes,
+from measured step times (``timing/step`` of runs already in ``<out>`` or ``<record>`` with the same
+settings, else the same arm kind scaled by the batch's tokens, else :data:`STEP_SECONDS`). ``--chunks N``
+runs the next N chunks (each finishes, and is committed run by run, on its own); without it every
+remaining chunk runs. ``--prune-finished`` deletes a finished run's ``checkpoints/`` and ``hf/`` after
+recording it.
+
+Disk (measured 2026-12-01, one save of SmolLM2-135M, ``fp8=tensorwise``): a checkpoint is 1.62 GB
+(float32 weights, Adam moments), the final ``hf/`` export 0.52 GB, a warm-up cache entry about 0.5 GB per
+(model, task, warm-up settings, seed). With ``keep_last=1`` a save writes the new checkpoint before it
+prunes the old one, so one running SmolLM2 run peaks at about 3.8 GB and a finished one keeps 2.1 GB
+(``--prune-finished``: a few MB). Two side-by-side runs plus the warm-ups of a stage: under 10 GB.
+
+Groups of the tiny study (``--only``):
 * ``main``: arms bf16 / fp8 (fixed clip, calibration measured only) / fp8_calibrated, for recipes
   tensorwise, rowwise, blockwise, mxfp8 and algorithms grpo, dapo (bf16 runs once per algorithm/seed);
 * ``ablation``: fp8_calibrated with grpo + tensorwise, one override each: calibration.interval
@@ -42,13 +93,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from nemo_fp8rl.demo import sample_steps
+from nemo_fp8rl.demo import REAL, sample_steps
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root (the default record directory lives under it)."""
 
 ARMS = {
     "bf16": ["fp8=off", "calibration=off"],
@@ -92,6 +148,8 @@ REAL_STRESS = {"e5m2_2xlr": ["fp8.fp8_format=e5m2", "optim.lr=6e-6"]}  # 2x REAL
 STEP_SECONDS = {"tiny": 0.8, "real/bf16": 32.0, "real/fp8": 48.0, "real/fp8_calibrated": 50.0}
 RUN_OVERHEAD_S = {"tiny": 5.0, "real": 30.0}
 REAL_WARMUP_S = 220.0
+REAL_RECIPE_FACTOR = {"blockwise": 2.0}
+"""Step time of a recipe relative to tensorwise on SmolLM2 (blockwise 96 s vs 42 s, docs/results.md)."""
 
 
 def _arm_overrides(arm: str, extra: list[str]) -> list[str]:
@@ -128,8 +186,6 @@ def plan(args) -> list[dict]:
             for arm in ARMS:
                 runs.append(dict(group="long", name=f"{cond}/{arm}/seed{seed}", seed=seed, steps=args.long_steps,
                                  overrides=["algorithm=grpo", *_arm_overrides(arm, extra)]))
-    from nemo_fp8rl.demo import REAL
-
     for seed in [int(s) for s in args.real_seeds.split(",")]:
         runs.append(dict(group="real", name=f"bf16/seed{seed}", seed=seed, steps=args.real_steps, arm="bf16",
                          overrides=["algorithm=grpo", *REAL, *ARMS["bf16"]]))
@@ -157,28 +213,480 @@ def estimate_s(run: dict, steps: int) -> float:
     return RUN_OVERHEAD_S["tiny"] + n * STEP_SECONDS["tiny"]
 
 
+# ------------------------------------------------------------------ issue 28's protocol (--stage)
+PROTOCOL_CALIB_INTERVAL = 10
+"""Calibration (fp8_calibrated) and measurement (bf16, fixed clip) every 10 steps: 10-15 points of the
+negative push per run of 100-150 steps, at about 1% of the step time (one calibration step costs ~2.1x a
+plain one on SmolLM2: three shadow forwards)."""
+PROTOCOL_BASE = ["algorithm=grpo", *REAL, f"calibration.interval={PROTOCOL_CALIB_INTERVAL}"]
+"""make demo-real's settings (SmolLM2-135M-Instruct, reasoning-gym chain_sum 2-3 terms of 1-2 digits, a
+30-step format warm-up, 8 prompts x 4 responses x 32 tokens, 2 minibatches, lr 3e-6), calibrating every
+:data:`PROTOCOL_CALIB_INTERVAL` steps. The later of two overrides of one key wins (Hydra)."""
+PROTOCOL_ARMS = {
+    "bf16": ["fp8=off", "calibration=measure"],  # bounds nominal; BF16's own calib/ metrics and push
+    "fp8": ["calibration=measure"],  # fixed clip; measures how it would have been calibrated
+    "fp8_calibrated": ["calibration=paper"],
+    "fp8_calibrated_upper_fixed": ["calibration=paper", "calibration.upper_mode=fixed"],  # the ablation
+}
+"""The confirmation's arms (the FP8 recipe comes from the condition); exploration runs bf16 and fp8."""
+SWEEP_SEED = 1
+EXPLORE_SEED = 1
+SWEEP = {
+    "base": [],
+    "lr1e-5": ["optim.lr=1e-5"],
+    "lr3e-5": ["optim.lr=3e-5"],
+    "lr1e-5_mb4": ["optim.lr=1e-5", "algorithm.minibatches_per_step=4"],
+    "lr1e-5_epochs2": ["optim.lr=1e-5", "algorithm.epochs=2"],
+    # group 8 x 4 prompts: the same 32 responses per step
+    "lr1e-5_group8": ["optim.lr=1e-5", "algorithm.group_size=8", "algorithm.prompts_per_step=4"],
+    "lr1e-5_easy": ["optim.lr=1e-5", "task.dataset_kwargs.max_terms=2", "task.dataset_kwargs.max_digits=1"],
+    "lr1e-5_hard": ["optim.lr=1e-5", "task.dataset_kwargs.min_terms=3", "task.dataset_kwargs.max_terms=4"],
+    "lr1e-5_products": ["optim.lr=1e-5", "task.dataset=products", "task.dataset_kwargs.max_terms=2"],
+    "lr1e-5_len64": ["optim.lr=1e-5", "rollout.max_new_tokens=64"],
+    # "reason, then answer": the warm-up still teaches the bare tag format; the prompt invites a few words
+    "lr1e-5_reason64": ["optim.lr=1e-5", "rollout.max_new_tokens=64",
+                        "task.system_prompt='Think in one or two short sentences, then give the final answer "
+                        "in <answer></answer> tags, e.g. <answer>42</answer>.'"],
+}
+"""The BF16 regime sweep: named points on top of :data:`PROTOCOL_BASE` (one factor or two at a time;
+add points here, a point's name is its run directory). Target (issue 28): reward +0.15 (mean of the
+first 10 steps vs the last 10) within 150 steps and ``calib/alpha_bf16`` >= 0.01."""
+EXPLORE = {
+    "tensorwise": ["fp8=tensorwise"],
+    "blockwise": ["fp8=blockwise"],
+    "e5m2": ["fp8=tensorwise", "fp8.fp8_format=e5m2"],
+    "fast_accum": ["fp8=tensorwise", "fp8.accumulation=fast"],
+    "2xlr": ["fp8=tensorwise", "optim.lr={lr2x}"],
+    "e5m2_2xlr": ["fp8=tensorwise", "fp8.fp8_format=e5m2", "optim.lr={lr2x}"],
+    "len64": ["fp8=tensorwise", "rollout.max_new_tokens=64"],
+    # FP8 KV cache with static scales: add a condition when the rollout engine has it (the FP8 KV issue)
+}
+"""The exploration's FP8 conditions (``{lr2x}``: twice the regime's learning rate). Overrides of ``fp8*``
+keys apply to the FP8 arms only; the others (learning rate, length) to the condition's BF16 reference too."""
+
+
+def _last(overrides: list[str], key: str, default: str | None = None) -> str | None:
+    """The value the last override of ``key`` sets (Hydra: the later override wins), else ``default``."""
+    for o in reversed(overrides):
+        k, _, v = o.lstrip("+").partition("=")
+        if k == key:
+            return v
+    return default
+
+
+def _select(names: str, table: dict) -> list[str]:
+    chosen = [n for n in names.split(",") if n] if names else list(table)
+    unknown = [n for n in chosen if n not in table]
+    if unknown:
+        raise SystemExit(f"unknown name(s) {unknown}; valid: {list(table)}")
+    return chosen
+
+
+def _seeds(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s]
+
+
+def stage_runs(args) -> list[dict]:
+    """The runs of ``--stage`` (sweep | explore | confirm), each ``{group, name, seed, steps, arm, overrides,
+    checkpoint_interval}``; the group is the stage."""
+    ckpt = args.checkpoint_every
+
+    def run(name, seed, steps, arm, overrides):
+        return dict(group=args.stage, name=f"{name}/seed{seed}", seed=seed, steps=steps, arm=arm,
+                    checkpoint_interval=ckpt, overrides=overrides)
+
+    if args.stage == "sweep":
+        return [run(p, SWEEP_SEED, args.sweep_steps, "bf16", [*PROTOCOL_BASE, *SWEEP[p], *PROTOCOL_ARMS["bf16"]])
+                for p in _select(args.points, SWEEP)]
+    if args.regime not in SWEEP:
+        raise SystemExit(f"--regime {args.regime!r} is not a sweep point; valid: {list(SWEEP)}")
+    regime = [*PROTOCOL_BASE, *SWEEP[args.regime]]
+    lr2x = f"{2 * float(_last(regime, 'optim.lr')):g}"
+
+    def condition(cond):
+        extra = [o.format(lr2x=lr2x) for o in EXPLORE[cond]]
+        return extra, [o for o in extra if not o.startswith("fp8")]  # (FP8 arms', BF16 reference's)
+
+    if args.stage == "explore":
+        runs = [run(f"{args.regime}/bf16", EXPLORE_SEED, args.explore_steps, "bf16",
+                    [*regime, *PROTOCOL_ARMS["bf16"]])]
+        for cond in _select(args.conditions, EXPLORE):
+            extra, shared = condition(cond)
+            if shared:  # a condition that changes more than FP8 has its own BF16 reference
+                runs.append(run(f"{args.regime}/{cond}/bf16", EXPLORE_SEED, args.explore_steps, "bf16",
+                                [*regime, *shared, *PROTOCOL_ARMS["bf16"]]))
+            runs.append(run(f"{args.regime}/{cond}/fp8", EXPLORE_SEED, args.explore_steps, "fp8",
+                            [*regime, *extra, *PROTOCOL_ARMS["fp8"]]))
+        return runs
+    if args.stage == "confirm":
+        if not args.condition:
+            raise SystemExit("--stage confirm needs --condition: the exploration's outcome (one of "
+                             f"{list(EXPLORE)}), fixed and written into docs/results.md before the runs")
+        cond = _select(args.condition, EXPLORE)
+        if len(cond) != 1:
+            raise SystemExit("--condition takes one exploration condition")
+        used = sorted(set(_seeds(args.confirm_seeds)) & {SWEEP_SEED, EXPLORE_SEED})
+        if used:
+            raise SystemExit(f"--confirm-seeds {used} were used by the sweep or the exploration; the "
+                             "confirmation needs fresh seeds")
+        extra, shared = condition(cond[0])
+        return [run(f"{args.regime}/{cond[0]}/{arm}", seed, args.confirm_steps, arm,
+                    [*regime, *(shared if arm == "bf16" else extra), *PROTOCOL_ARMS[arm]])
+                for seed in _seeds(args.confirm_seeds) for arm in PROTOCOL_ARMS]
+    raise SystemExit(f"--stage {args.stage!r}: choose sweep, explore or confirm")
+
+
+# ------------------------------------------------------------------ run state: done / resume / restart
+SMALL_FILES = ("metrics.jsonl", "samples.jsonl", "config.yaml", "warmup.json", "study_run.json")
+"""A run's files that are recorded and committed (a few hundred kB); never ``checkpoints/``, ``hf/``,
+``tb/`` or the warm-up cache."""
+REPORT_FILES = ("report/report.png", "report/summary.md")
+"""The per-run figure and table written into the record by ``nemo_fp8rl.report.make_report``."""
+
+
+def run_dir(out: Path, run: dict) -> Path:
+    return out / run["group"] / run["name"]
+
+
+def steps_logged(d: Path) -> int:
+    """Steps in ``d/metrics.jsonl`` (a cut last line, from a killed run, is not counted)."""
+    m = d / "metrics.jsonl"
+    if not m.is_file():
+        return 0
+    n = 0
+    for line in m.read_text().splitlines():
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            break
+        n += 1
+    return n
+
+
+def latest_checkpoint(d: Path) -> int | None:
+    """The step of the newest complete checkpoint under ``d/checkpoints`` (what ``resume=true`` loads)."""
+    from nemo_fp8rl.trainer.atomic_publish import latest_step
+
+    return latest_step(d / "checkpoints")
+
+
+def run_state(run: dict, out: Path, record: Path | None, steps: int) -> tuple[str, int]:
+    """What running ``run`` now means: ``("done", n)`` (its metrics hold all ``steps``, in ``out`` or in the
+    record), ``("resume", k)`` (a checkpoint of step k is on disk: the trainer continues from it),
+    ``("restart", 0)`` (a partial run without a checkpoint: it starts again from step 0) or ``("fresh", 0)``."""
+    d = run_dir(out, run)
+    for where in (d, record / run["group"] / run["name"] if record else None):
+        if where is not None and steps_logged(where) >= steps:
+            return "done", steps_logged(where)
+    k = latest_checkpoint(d) if d.is_dir() else None
+    if k is not None:
+        return "resume", k
+    return ("restart", 0) if (d / "metrics.jsonl").exists() else ("fresh", 0)
+
+
 def done(run_dir: Path, steps: int) -> bool:
-    m = run_dir / "metrics.jsonl"
-    return m.is_file() and sum(1 for _ in m.open()) >= steps
+    return steps_logged(run_dir) >= steps
 
 
-def execute(run: dict, out: Path, steps: int, log_dir: Path, extra: list[str]) -> tuple[str, int, float]:
-    run_dir = out / run["group"] / run["name"]
-    steps = run.get("steps", steps)
-    if done(run_dir, steps):
-        return run["name"], 0, 0.0
+# ------------------------------------------------------------------ estimates from measured step times
+COST_FREE = ("optim.lr=", "calibration=", "calibration.upper_mode=", "calibration.ema=", "calibration.apply=",
+             "fp8.fp8_format=", "seed=")
+"""Overrides that do not change a step's cost (same work, other numbers)."""
+
+
+def cost_key(overrides: list[str]) -> tuple:
+    return tuple(sorted({o for o in overrides if not o.startswith(COST_FREE)}))
+
+
+def arm_kind(overrides: list[str]) -> tuple[str, str]:
+    """(model, precision): ('real' | 'tiny', 'bf16' | the FP8 recipe)."""
+    model = "real" if any(o.startswith("model=smollm2") for o in overrides) else "tiny"
+    recipe = _last(overrides, "fp8", "tensorwise")
+    return model, "bf16" if recipe == "off" else recipe
+
+
+def work(overrides: list[str]) -> float:
+    """Response tokens trained per step, relative units: prompts x group x max_new_tokens x epochs."""
+    keys = {"algorithm.prompts_per_step": "1", "algorithm.group_size": "1", "rollout.max_new_tokens": "8",
+            "algorithm.epochs": "1"}
+    w = 1.0
+    for key, default in keys.items():
+        w *= float(_last(overrides, key, default))
+    return w
+
+
+def mean_step_s(d: Path) -> float | None:
+    m = d / "metrics.jsonl"
+    if not m.is_file():
+        return None
+    xs = []
+    for line in m.read_text().splitlines():
+        try:
+            x = json.loads(line).get("timing/step")
+        except json.JSONDecodeError:
+            break
+        if isinstance(x, (int, float)):
+            xs.append(float(x))
+    return sum(xs) / len(xs) if xs else None
+
+
+def measured_runs(roots: list[Path]) -> list[tuple[list[str], float]]:
+    """``(overrides, mean timing/step)`` of every run under ``roots`` that has a ``study_run.json`` and steps."""
+    found = {}
+    for root in roots:  # a run in both <out> and the record counts once (<out>'s copy is the newer)
+        if not root.is_dir():
+            continue
+        for meta in root.glob("**/study_run.json"):
+            s = mean_step_s(meta.parent)
+            key = meta.parent.relative_to(root).as_posix()
+            if s is not None and key not in found:
+                found[key] = (json.loads(meta.read_text())["overrides"], s)
+    return list(found.values())
+
+
+def step_estimate(run: dict, measured: list[tuple[list[str], float]], own: float | None) -> tuple[float, str]:
+    """Seconds per step of ``run`` and where the number comes from."""
+    if own is not None:
+        return own, "measured: this run"
+    ov = run["overrides"]
+    same = [s for o, s in measured if cost_key(o) == cost_key(ov)]
+    if same:
+        return sum(same) / len(same), f"measured: {len(same)} run(s) with these settings"
+    kind = [s * work(ov) / work(o) for o, s in measured if arm_kind(o) == arm_kind(ov)]
+    if kind:
+        return sum(kind) / len(kind), f"measured: {len(kind)} {'/'.join(arm_kind(ov))} run(s), scaled by tokens"
+    model, precision = arm_kind(ov)
+    if model == "real":
+        base = STEP_SECONDS["real/bf16" if precision == "bf16" else "real/fp8_calibrated"]
+        if precision not in ("bf16", "tensorwise"):
+            base *= REAL_RECIPE_FACTOR.get(precision, 1.0)
+        ref = work(["algorithm.prompts_per_step=8", "algorithm.group_size=4", "rollout.max_new_tokens=32"])
+        return base * work(ov) / ref, "STEP_SECONDS (not measured yet), scaled by tokens"
+    return STEP_SECONDS["tiny"], "STEP_SECONDS (not measured yet)"
+
+
+def warmup_key(run: dict) -> tuple:
+    """What the cached warm-up depends on, as far as the overrides tell: seed, model, task, warm-up."""
+    return run["seed"], tuple(o for o in run["overrides"] if o.lstrip("+").startswith(("model", "task", "warmup")))
+
+
+def annotate(runs: list[dict], out: Path, record: Path | None, default_steps: int) -> list[dict]:
+    """Each run with its state, remaining steps and estimated seconds (``est_s``, incl. start-up and, for
+    the first run of a warm-up no run in ``out`` has started, the warm-up)."""
+    measured = measured_runs([out] + ([record] if record else []))
+    warmed = {warmup_key(r) for r in runs if (run_dir(out, r) / "config.yaml").exists()}
+    rows = []
+    for r in runs:
+        steps = r.get("steps", default_steps)
+        state, k = run_state(r, out, record, steps)
+        remaining = 0 if state == "done" else steps - k
+        own = mean_step_s(run_dir(out, r)) if state == "resume" else None
+        per_step, source = step_estimate(r, measured, own)
+        model = arm_kind(r["overrides"])[0]
+        est = 0.0
+        if remaining:
+            est = RUN_OVERHEAD_S[model] + remaining * per_step
+            if state != "resume" and warmup_key(r) not in warmed and model == "real":
+                est += REAL_WARMUP_S
+                warmed.add(warmup_key(r))
+        rows.append(dict(r, steps=steps, state=state, at_step=k, remaining=remaining, step_s=per_step,
+                         source=source, est_s=est))
+    return rows
+
+
+def lanes_wall_s(estimates: list[float], jobs: int) -> float:
+    """Wall time of running ``estimates`` in order on ``jobs`` lanes (each run takes the first free lane)."""
+    lanes = [0.0] * max(jobs, 1)
+    for e in estimates:
+        i = lanes.index(min(lanes))
+        lanes[i] += e
+    return max(lanes)
+
+
+def chunks(rows: list[dict], jobs: int, budget_s: float) -> list[list[dict]]:
+    """The remaining runs, in plan order, cut into chunks whose wall time at ``jobs`` runs side by side is at
+    most ``budget_s`` (a run longer than that is a chunk of its own; its checkpoints carry it over a cut)."""
+    out: list[list[dict]] = []
+    cur: list[dict] = []
+    for r in (r for r in rows if r["remaining"]):
+        if cur and lanes_wall_s([x["est_s"] for x in cur + [r]], jobs) > budget_s:
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    return out + ([cur] if cur else [])
+
+
+def print_plan(rows: list[dict], jobs: int, budget_s: float) -> None:
+    parts = chunks(rows, jobs, budget_s)
+    for i, c in enumerate(parts, 1):
+        print(f"chunk {i}: ~{lanes_wall_s([r['est_s'] for r in c], jobs) / 3600:.1f} h with --jobs {jobs}")
+        for r in c:
+            state = f"resume from step {r['at_step']}" if r["state"] == "resume" else r["state"]
+            print(f"  {r['group']} {r['name']}  {state}, {r['remaining']}/{r['steps']} steps, "
+                  f"~{r['est_s'] / 60:.0f} min ({r['step_s']:.1f} s/step, {r['source']})")
+    left = [r for r in rows if r["remaining"]]
+    total = sum(r["est_s"] for r in left)
+    wall = sum(lanes_wall_s([r["est_s"] for r in c], jobs) for c in parts)
+    print(f"remaining: {len(left)} of {len(rows)} runs, {sum(r['remaining'] for r in left)} steps, "
+          f"~{wall / 3600:.1f} h in {len(parts)} chunk(s) of <= {budget_s / 3600:g} h with --jobs {jobs} "
+          f"(~{total / 3600:.1f} h one at a time); done: {len(rows) - len(left)}")
+
+
+# ------------------------------------------------------------------ record and commit
+def small_files(d: Path) -> list[Path]:
+    """The files of run directory ``d`` that are recorded (:data:`SMALL_FILES` that exist); nothing under
+    ``checkpoints/``, ``hf/`` or ``tb/``."""
+    return [d / f for f in SMALL_FILES if (d / f).is_file()]
+
+
+def record_run(run: dict, d: Path, record: Path, figure: bool = True) -> list[Path]:
+    """Copy the run's small files to ``<record>/<group>/<name>/`` and write its figure there
+    (``report/``); returns the recorded paths."""
+    dest = record / run["group"] / run["name"]
+    dest.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for f in small_files(d):
+        shutil.copy2(f, dest / f.name)
+        paths.append(dest / f.name)
+    if figure:
+        from nemo_fp8rl.report import make_report
+
+        make_report([str(dest)], str(dest / "report"), names=[run["name"]])
+        paths += [dest / f for f in REPORT_FILES if (dest / f).is_file()]
+    return paths
+
+
+def _git(repo: Path, *args: str, wait_s: float = 600.0) -> subprocess.CompletedProcess:
+    """``git -C repo args``, retried while another process holds the index lock."""
+    git_dir = Path(subprocess.run(["git", "-C", str(repo), "rev-parse", "--absolute-git-dir"], capture_output=True,
+                                  text=True, check=True).stdout.strip())
+    t0 = time.time()
+    while True:
+        proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        if proc.returncode == 0 or not (git_dir / "index.lock").exists() or time.time() - t0 > wait_s:
+            return proc
+        time.sleep(2.0)
+
+
+def commit_paths(paths: list[Path], message: str) -> bool:
+    """``git add`` + ``git commit -- <paths>``: only these paths, whatever else the index holds. False when
+    they are unchanged (nothing to commit). Refuses a path under a ``checkpoints/`` or ``hf/`` directory."""
+    bad = [p for p in paths if {"checkpoints", "hf", ".warmup_cache"} & set(p.parts)]
+    if bad:
+        raise ValueError(f"refusing to commit checkpoint or export files: {bad}")
+    repo = Path(subprocess.run(["git", "-C", str(paths[0].parent), "rev-parse", "--show-toplevel"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    rel = [str(p.resolve().relative_to(repo)) for p in paths]
+    for proc in (_git(repo, "add", "--", *rel),):
+        if proc.returncode:
+            raise RuntimeError(f"git add failed: {proc.stderr.strip()}")
+    if _git(repo, "diff", "--cached", "--quiet", "--", *rel).returncode == 0:
+        return False
+    proc = _git(repo, "commit", "-q", "-m", message, "--", *rel)
+    if proc.returncode:
+        raise RuntimeError(f"git commit failed: {proc.stderr.strip()}")
+    return True
+
+
+def _summary(d: Path, steps: int) -> str:
+    recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()[:steps]]
+    first = [r.get("reward/mean", 0.0) for r in recs[:10]]
+    last = [r.get("reward/mean", 0.0) for r in recs[-10:]]
+    return (f"{len(recs)} steps, reward {sum(first) / len(first):.3f} (first 10) -> {sum(last) / len(last):.3f} "
+            f"(last 10)")
+
+
+# ------------------------------------------------------------------ running
+def _code_commit() -> str:
+    proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
+def command(run: dict, out: Path, steps: int, extra: list[str]) -> list[str]:
+    d = run_dir(out, run)
+    ckpt = run.get("checkpoint_interval") or max(steps // 2, 1)
     # COMMON first: a run's own overrides (e.g. old_logprobs=recompute in an ablation) must win
-    cmd = [sys.executable, "-m", "nemo_fp8rl.train", *COMMON, *run["overrides"], *extra, f"seed={run['seed']}",
-           f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={max(steps // 2, 1)}",
-           f"output_dir={run_dir}", f"warmup.cache_dir={out / '.warmup_cache'}", "resume=true",
-           sample_steps(steps)]
+    return [sys.executable, "-m", "nemo_fp8rl.train", *COMMON, *run["overrides"], *extra, f"seed={run['seed']}",
+            f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={ckpt}", "trainer.keep_last=1",
+            f"output_dir={d}", f"warmup.cache_dir={out / '.warmup_cache'}", "resume=true", sample_steps(steps)]
+
+
+def check_settings(run: dict, d: Path) -> None:
+    """Refuse a run directory that holds a run with other overrides (resuming it would mix two runs)."""
+    meta = d / "study_run.json"
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        if old.get("overrides") != run["overrides"] or old.get("seed") != run["seed"]:
+            raise RuntimeError(f"{d} holds a run with other settings ({meta}: {old.get('overrides')}); move it "
+                               "away or rename the sweep point / condition")
+
+
+def execute(run: dict, out: Path, steps: int, log_dir: Path, extra: list[str],
+            gate=None) -> tuple[str, int, float]:
+    """Run (or resume, or restart) one run to ``steps``; ``gate()`` waits for a shared warm-up first."""
+    d = run_dir(out, run)
+    steps = run.get("steps", steps)
+    if done(d, steps):
+        return run["name"], 0, 0.0
+    check_settings(run, d)
+    if gate is not None:
+        gate()
+    cmd = command(run, out, steps, extra)
+    d.mkdir(parents=True, exist_ok=True)
+    meta_path = d / "study_run.json"
+    attempts = json.loads(meta_path.read_text()).get("attempts", []) if meta_path.is_file() else []
+    attempt = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "from_step": latest_checkpoint(d) or 0,
+               "code_commit": _code_commit()}
+
+    def write_meta():
+        meta_path.write_text(json.dumps(
+            {"group": run["group"], "name": run["name"], "seed": run["seed"], "steps": steps, "arm": run.get("arm"),
+             "overrides": run["overrides"], "extra": extra, "common": COMMON, "command": cmd[1:],
+             "attempts": attempts + [attempt]}, indent=1))
+
+    write_meta()
     log = log_dir / (run["group"] + "__" + run["name"].replace("/", "__") + ".log")
     t0 = time.time()
-    with open(log, "w") as f:
+    with open(log, "a") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if rc == 0 and not done(d, steps):
+        rc = 4  # the trainer exited cleanly without all steps (stopped by the stability monitor?)
+    attempt.update(wall_s=round(time.time() - t0, 1), rc=rc)
+    write_meta()
     return run["name"], rc, time.time() - t0
+
+
+class WarmupGate:
+    """Runs that share a warm-up (:func:`warmup_key`) start after the first of them has finished it (its
+    ``config.yaml``, written after the warm-up, is new) or has ended, so side-by-side jobs never compute the
+    same warm-up twice."""
+
+    def __init__(self, runs: list[dict], out: Path):
+        self.out, self.t0 = out, time.time()
+        self.leader: dict[tuple, dict] = {}
+        for r in runs:
+            self.leader.setdefault(warmup_key(r), r)
+        self.ended = {(r["group"], r["name"]): threading.Event() for r in self.leader.values()}
+
+    def for_run(self, run: dict):
+        lead = self.leader[warmup_key(run)]
+        if lead is run:
+            return None
+        cfg = run_dir(self.out, lead) / "config.yaml"
+
+        def wait():
+            while not self.ended[(lead["group"], lead["name"])].is_set():
+                if cfg.is_file() and cfg.stat().st_mtime >= self.t0:
+                    return
+                time.sleep(2.0)
+
+        return wait
+
+    def finished(self, run: dict) -> None:
+        if self.leader[warmup_key(run)] is run:
+            self.ended[(run["group"], run["name"])].set()
 
 
 def main() -> None:
@@ -199,43 +707,123 @@ def main() -> None:
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Hydra overrides appended to every run's own (e.g. a smaller warm-up for a smoke test)")
+    p = ap.add_argument_group("issue 28's protocol")
+    p.add_argument("--stage", choices=["sweep", "explore", "confirm"],
+                   help="a stage of the protocol instead of --only's groups")
+    p.add_argument("--points", default="", help="sweep: comma-separated points of SWEEP (default: all)")
+    p.add_argument("--regime", default="", help="explore, confirm: the sweep point the FP8 arms run in")
+    p.add_argument("--conditions", default="", help="explore: comma-separated conditions of EXPLORE (default: all)")
+    p.add_argument("--condition", default="", help="confirm: the exploration's chosen condition")
+    p.add_argument("--confirm-seeds", default="11,12,13",
+                   help="confirm: fresh seeds (never the sweep's or the exploration's)")
+    p.add_argument("--sweep-steps", type=int, default=100)
+    p.add_argument("--explore-steps", type=int, default=100)
+    p.add_argument("--confirm-steps", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="protocol runs checkpoint every N steps (keep_last=1)")
+    r = ap.add_argument_group("chunks, resume and records")
+    r.add_argument("--plan", action="store_true",
+                   help="print the remaining work in chunks with time estimates; run nothing")
+    r.add_argument("--chunk-hours", type=float, default=2.0, help="largest estimated wall time of a chunk")
+    r.add_argument("--chunks", type=int, default=0, help="run only the next N chunks (0 = all remaining)")
+    r.add_argument("--match", default="", help="only runs whose group/name contains this text")
+    r.add_argument("--record", default=str(ROOT / "benchmarks" / "study" / "records"),
+                   help="the committed records: --commit copies finished runs' small files here; a run whose "
+                        "record holds all its steps is done (a clean clone skips it)")
+    r.add_argument("--commit", action="store_true",
+                   help="copy each finished run's small files and figure to --record and git commit them")
+    r.add_argument("--no-figures", action="store_true", help="record without the per-run report figure")
+    r.add_argument("--prune-finished", action="store_true",
+                   help="delete a finished run's checkpoints/ and hf/ once it is recorded")
     args = ap.parse_args()
-    runs = plan(args)
+    runs = stage_runs(args) if args.stage else plan(args)
+    if args.match:
+        runs = [x for x in runs if args.match in f"{x['group']}/{x['name']}"]
     out = Path(args.out)
+    record = Path(args.record)
     if args.list:
         total = 0.0
-        for r in runs:
-            est = estimate_s(r, args.steps)
+        for x in runs:
+            est = estimate_s(x, args.steps)
             total += est
-            print(r["group"], r["name"], " ".join(r["overrides"]), f"# ~{est / 60:.0f} min")
+            print(x["group"], x["name"], " ".join(x["overrides"]), f"# ~{est / 60:.0f} min")
         print(f"{len(runs)} runs, ~{total / 3600:.1f} h one at a time (estimates from STEP_SECONDS; warm-ups: "
               f"+~{REAL_WARMUP_S / 60:.0f} min per seed of the real group)")
         return
+    rows = annotate(runs, out, record, args.steps)
+    budget = args.chunk_hours * 3600
+    if args.plan:
+        print_plan(rows, args.jobs, budget)
+        return
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    # the record of every run ever planned into this directory: a slice (--only/--seeds) adds its runs
+    # the record of every run ever planned into this directory: a slice (--only/--seeds/--stage) adds its runs
     meta_path = out / "study.json"
     known = json.loads(meta_path.read_text())["runs"] if meta_path.is_file() else []
-    names = {(r["group"], r["name"]) for r in runs}
-    merged = [r for r in known if (r["group"], r["name"]) not in names] + runs
+    names = {(x["group"], x["name"]) for x in runs}
+    merged = [x for x in known if (x["group"], x["name"]) not in names] + runs
     meta_path.write_text(json.dumps({"steps": args.steps, "long_steps": args.long_steps,
                                      "real_steps": args.real_steps, "runs": merged,
                                      "common": COMMON}, indent=1))
-    # warm-ups first, one per seed (cached, shared by every run of that seed), so parallel jobs never
-    # compute the same warm-up twice
-    seeds = sorted({r["seed"] for r in runs})
-    firsts = [next(r for r in runs if r["seed"] == s) for s in seeds]
     t0 = time.time()
-    failures = []
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for name, rc, sec in pool.map(lambda r: execute(r, out, args.steps, log_dir, args.extra), firsts):
-            print(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s", flush=True)
-            failures += [name] if rc else []
-        rest = [r for r in runs if r not in firsts]
-        for name, rc, sec in pool.map(lambda r: execute(r, out, args.steps, log_dir, args.extra), rest):
-            print(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s", flush=True)
-            failures += [name] if rc else []
-    print(f"study finished in {time.time() - t0:.0f}s; {len(runs) - len(failures)}/{len(runs)} runs ok")
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def finish(row: dict) -> None:
+        """With --commit, record and commit a finished run (unless its record is complete already); with
+        --prune-finished, delete its checkpoints and export."""
+        d = run_dir(out, row)
+        if not done(d, row["steps"]):
+            return
+        with lock:  # one record/commit at a time (matplotlib and the git index are shared)
+            dest = record / row["group"] / row["name"]
+            if args.commit and steps_logged(dest) < row["steps"]:
+                paths = record_run(row, d, record, figure=not args.no_figures)
+                msg = f"study {row['group']}/{row['name']}: {_summary(d, row['steps'])} (run_study.py --commit)"
+                if commit_paths(paths, msg):
+                    print(f"committed {dest}", flush=True)
+            if args.prune_finished:
+                for sub in ("checkpoints", "hf"):
+                    shutil.rmtree(d / sub, ignore_errors=True)
+
+    for row in rows:  # finished before: say so (the study is resumable), commit what is not recorded yet
+        if row["state"] == "done":
+            print(f"[{0:7.0f}s] {row['name']}: rc=0 0s", flush=True)
+            finish(row)
+    parts = chunks(rows, args.jobs, budget)
+    if args.chunks:
+        parts = parts[: args.chunks]
+    for i, part in enumerate(parts, 1):
+        est = lanes_wall_s([x["est_s"] for x in part], args.jobs)
+        print(f"chunk {i}/{len(parts)}: {len(part)} run(s), ~{est / 3600:.1f} h", flush=True)
+        gate = WarmupGate(part, out)
+
+        def one(row):
+            state = f"resume from step {row['at_step']}" if row["state"] == "resume" else row["state"]
+            print(f"start {row['group']}/{row['name']}: {state}", flush=True)
+            try:
+                res = execute(row, out, args.steps, log_dir, args.extra, gate=gate.for_run(row))
+            except Exception as e:  # noqa: BLE001  (one bad run must not stop the chunk)
+                res = (row["name"], 5, 0.0)
+                print(f"{row['name']}: {e}", flush=True)
+            finally:
+                gate.finished(row)
+            if res[1] == 0:
+                try:
+                    finish(row)
+                except Exception as e:  # noqa: BLE001
+                    res = (row["name"], 6, res[2])
+                    print(f"{row['name']}: finished but not recorded: {e}", flush=True)
+            return res
+
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for name, rc, sec in pool.map(one, part):
+                print(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s", flush=True)
+                failures += [name] if rc else []
+    ran = sum(len(c) for c in parts)
+    skipped = len([x for x in rows if x["remaining"]]) - ran
+    print(f"study finished in {time.time() - t0:.0f}s; {len(runs) - len(failures) - skipped}/{len(runs)} runs ok"
+          + (f" ({skipped} left for later chunks)" if skipped else ""))
     if failures:
         sys.exit(f"failed runs: {failures} (logs in {log_dir})")
 
