@@ -344,6 +344,8 @@ class RolloutPlan:
     sleeps: bool = False
     """The engine frees its GPU memory while training runs (vLLM sleep mode, ``rollout.enable_sleep``):
     its reservation then competes only with the training state that stays resident during generation."""
+    kv_cache: str = "off"
+    """``rollout.fp8.kv_cache``: ``off`` (keys and values in BF16, 2 bytes) or an FP8 format (1 byte)."""
 
     @property
     def kv_capacity(self) -> int:
@@ -360,7 +362,7 @@ class RolloutPlan:
 
 
 def rollout_plan(model, tp: int, pp: int, seq: int, sequences: int, scheme: str, reserved: int, *,
-                 vocab_rows: int) -> RolloutPlan:
+                 vocab_rows: int, kv_cache: str = "off", high_precision_layers: int = 0) -> RolloutPlan:
     """Weights and KV cache of a GPU rollout engine split over ``tp`` x ``pp`` GPUs, per GPU.
 
     ``vocab_rows`` (V below) are the embedding / LM-head rows counted: the plan passes the trainer's padded
@@ -372,22 +374,31 @@ def rollout_plan(model, tp: int, pp: int, seq: int, sequences: int, scheme: str,
 
         weights = [b_lin L linear + 2 (V h (2 if untied else 1) + norms)] / (t PP)
 
-    KV cache of one sequence of ``seq`` tokens (BF16 keys and values of the rank's L / PP layers and
-    n_kv / t KV heads, at least one head when t > n_kv: replicated)::
+    KV cache of one sequence of ``seq`` tokens (keys and values of the rank's L / PP layers and n_kv / t KV
+    heads, at least one head when t > n_kv: replicated), b_kv bytes per element: 2 (BF16) or, with an FP8
+    KV cache (``kv_cache`` ``e4m3`` / ``e5m2``), 1 (vLLM's per-layer scales are two floats a layer)::
 
-        kv = 2 (k, v) x 2 bytes x (L / PP) x max(1, n_kv / t) x d x seq
+        kv = 2 (k, v) x b_kv x (L / PP) x max(1, n_kv / t) x d x seq
+
+    ``high_precision_layers`` (BF16 edge layers, ``rollout.fp8.num_layers_at_start/end_in_bf16``): that many
+    layers keep 2-byte linears and a 2-byte KV cache; spread evenly over the PP stages in this estimate.
     """
     g = 2 if model.gated_mlp else 1
     h, f, q, kv, layers = model.hidden_size, model.ffn_hidden_size, model.q_width, model.kv_width, model.num_layers
-    linear = layers * (h * (q + 2 * kv) + q * h + h * f * g + f * h)
+    per_layer = h * (q + 2 * kv) + q * h + h * f * g + f * h
     rest = vocab_rows * h * (1 if model.tied_embeddings else 2) + layers * 2 * h + h
     b_lin = {"off": 2.0, "vllm_w8a8": 1.0, "vllm_block": 1.0 + 4.0 / (128 * 128), "same_as_train": 1.0}
     if scheme not in b_lin:
         raise PlanError(f"rollout.fp8.scheme={scheme!r}; choose one of {sorted(b_lin)}")
-    weights = round((b_lin[scheme] * linear + 2 * rest) / (tp * pp))
+    if kv_cache not in ("off", "e4m3", "e5m2"):
+        raise PlanError(f"rollout.fp8.kv_cache={kv_cache!r}; choose one of ['off', 'e4m3', 'e5m2']")
+    hp = min(max(0, int(high_precision_layers)), layers)
+    weights = round((b_lin[scheme] * (layers - hp) * per_layer + 2.0 * hp * per_layer + 2 * rest) / (tp * pp))
     kv_heads = max(1, model.num_kv_heads // tp)
-    kv_bytes = 2 * 2 * (layers // pp) * kv_heads * model.head_dim * seq
-    return RolloutPlan(reserved=reserved, weights=weights, kv_per_sequence=kv_bytes, sequences=sequences, scheme=scheme)
+    b_kv = 2.0 if kv_cache == "off" else (1.0 * (layers - hp) + 2.0 * hp) / layers  # mean bytes per element
+    kv_bytes = round(2 * b_kv * (layers // pp) * kv_heads * model.head_dim * seq)
+    return RolloutPlan(reserved=reserved, weights=weights, kv_per_sequence=kv_bytes, sequences=sequences, scheme=scheme,
+                       kv_cache=kv_cache)
 
 
 @dataclass(frozen=True)
@@ -566,7 +577,10 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
     share = rollout_share(cfg, options)
     if cap is not None and share is not None:
         a = cfg.algorithm
-        scheme = cfg.rollout.fp8.scheme if recipe is not None else "off"
+        from nemo_fp8rl.rollout.fp8_setup import rollout_fp8_setup
+
+        r8 = rollout_fp8_setup(cfg, training_fp8=recipe is not None)  # the BF16 arm generates in BF16
+        scheme = r8.scheme
         vllm = cfg.rollout.engine == "vllm"
         # our vllm engine: a whole model per rank, split over rollout.tensor_parallel_size GPUs (no PP);
         # a what-if engine for another config (--rollout-share): sharded like training
@@ -577,7 +591,8 @@ def plan_arm(cfg, options: PlanOptions, *, recipe_name: Optional[str], optimizer
             engines = max(1, (tp * pp) // (r_tp if vllm else 1))
             sequences = -(-sequences // engines)
         rollout = rollout_plan(cfg.model, r_tp, r_pp, cfg.model.seq_length, sequences, scheme, int(share * cap),
-                               vocab_rows=cfg.model.padded_vocab(tp))
+                               vocab_rows=cfg.model.padded_vocab(tp), kv_cache=r8.kv_cache,
+                               high_precision_layers=len(r8.high_precision_layers))
         if vllm and cfg.rollout.enable_sleep:
             rollout = dataclasses.replace(rollout, sleeps=True)
     return MemoryPlan(

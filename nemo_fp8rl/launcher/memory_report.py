@@ -88,7 +88,8 @@ def describe(cfg, options: PlanOptions, plan: MemoryPlan) -> str:
                         + ("sleeps while training" if r.sleeps else "keeps its memory while training"))
             lines.append(
                 f"rollout engine {cfg.rollout.engine!r} (GPU, {r.scheme}, {src}): weights "
-                f"{r.weights / GIB:.2f} GiB, KV {r.kv_per_sequence / 2**20:.1f} MiB per {m.seq_length}-token "
+                f"{r.weights / GIB:.2f} GiB, KV{'' if r.kv_cache == 'off' else ' (FP8 ' + r.kv_cache.upper() + ')'} "
+                f"{r.kv_per_sequence / 2**20:.1f} MiB per {m.seq_length}-token "
                 f"sequence: room for {r.concurrent} sequences at once, the engine's rollout batch is {r.sequences}"
                 + ("" if r.fits else ": NOT EVEN ONE SEQUENCE FITS"))
     return "\n".join(lines)
@@ -129,7 +130,8 @@ def no_fix_hint(plan: MemoryPlan) -> str:
     """What to do when :func:`suggest_fixes` finds no single knob: depends on what does not fit."""
     r = plan.rollout
     if r is not None and plan.train_total <= plan.available and not (r.fits and plan.generation_fits):
-        fp8 = ("FP8 rollout (rollout.fp8.scheme=vllm_block) stores its linears in 1 byte, or " if plan.recipe
+        fp8 = ("FP8 rollout (rollout.fp8.scheme=vllm_block) stores its linears in 1 byte and an FP8 KV cache "
+               "(rollout.fp8.kv_cache=e4m3) its keys and values, or " if plan.recipe
                else "the BF16 arm generates in BF16; or ")
         return ("training fits, the rollout engine does not: each vllm engine holds the whole model on "
                 f"rollout.tensor_parallel_size GPUs ({r.weights / GIB:.1f} GiB of weights per GPU here); a larger "

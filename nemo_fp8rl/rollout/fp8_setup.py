@@ -9,7 +9,8 @@ audit) agree::
     logp = score_logprobs(model_cfg, weights, tokens, setup, kv_scales=...)   # teacher-forced, [B, T]
 
 A BF16 run (training FP8 off) is high precision end to end: its rollout has no FP8 scheme and no FP8 KV
-cache, whatever ``rollout.fp8`` says.
+cache, whatever ``rollout.fp8`` says. Importing this module loads no torch (the launcher's memory plan uses it
+on a submit host); :func:`score_logprobs` does.
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import torch
+__all__ = ["RolloutFp8Setup", "edge_layers", "rollout_fp8_setup", "score_logprobs"]
 
-__all__ = ["RolloutFp8Setup", "rollout_fp8_setup", "score_logprobs"]
+
+def edge_layers(num_layers: int, first: int = 0, last: int = 0) -> tuple[int, ...]:
+    """Indices of the first ``first`` and the last ``last`` of ``num_layers`` decoder layers, sorted
+    (``rollout.fp8.num_layers_at_start_in_bf16`` / ``num_layers_at_end_in_bf16``)."""
+    if first < 0 or last < 0:
+        raise ValueError(f"edge layer counts must be >= 0, got first={first}, last={last}")
+    return tuple(sorted(set(range(min(first, num_layers))) | set(range(max(0, num_layers - last), num_layers))))
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,6 @@ def rollout_fp8_setup(cfg: Any, num_layers: Optional[int] = None, training_fp8: 
         num_layers: decoder layers of the model (for the edge layers).
         training_fp8: whether training runs an FP8 recipe; False forces the rollout to high precision.
     """
-    from nemo_fp8rl.rollout.model import edge_layers
-
     if hasattr(cfg, "rollout"):
         r = cfg.rollout.fp8
         num_layers = cfg.model.num_layers if num_layers is None else num_layers
@@ -89,21 +94,20 @@ def rollout_fp8_setup(cfg: Any, num_layers: Optional[int] = None, training_fp8: 
     )
 
 
-@torch.no_grad()
 def score_logprobs(
     model_cfg: Any,
     weights: Any,
-    tokens: torch.Tensor,
+    tokens: Any,
     setup: RolloutFp8Setup,
     *,
     kv_scales: Any = None,
     kv_kernel: str = "cuda",
     train_recipe: Any = None,
     temperature: float = 1.0,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+    dtype: Any = None,
     high_precision_layers: Optional[Sequence[int]] = None,
-) -> torch.Tensor:
+) -> Any:
     """Teacher-forced log-probs of ``tokens`` [B, T] under the rollout's numerics -> float32 [B, T] (CPU).
 
     ``out[b, t] = log_softmax(logits[b, t - 1] / temperature)[tokens[b, t]]``, ``out[b, 0] = 0`` (the layout
@@ -118,9 +122,14 @@ def score_logprobs(
         kv_scales: :class:`~nemo_fp8rl.fp8.kv_cache.KvScales` (None: vLLM's static 1.0).
         kv_kernel: ``cuda`` (vLLM on GPU) | ``cpu`` (vLLM-CPU).
         train_recipe: the training recipe, for the ``same_as_train`` scheme.
+        device, dtype: where and in which dtype the engine computes (default float32).
         high_precision_layers: overrides ``setup.high_precision_layers``.
     """
+    import torch
+
     from nemo_fp8rl.rollout.torch_engine import TorchRolloutEngine
+
+    dtype = torch.float32 if dtype is None else dtype
 
     kw = setup.engine_kwargs()
     if high_precision_layers is not None:

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.fp8.formats import get_format
 from nemo_fp8rl.fp8.rollout import RolloutScheme
+from nemo_fp8rl.rollout.fp8_setup import edge_layers
 from nemo_fp8rl.fp8.kv_cache import (
     KvScales,
     dequantize_kv,
@@ -525,14 +526,6 @@ def build_weights(
         inv_freq=rope_inv_freq(shape).to(device),
         linear_stats={k: v for st in layer_stats for k, v in st.items()},
     )
-
-
-def edge_layers(num_layers: int, first: int = 0, last: int = 0) -> tuple[int, ...]:
-    """Indices of the first ``first`` and the last ``last`` of ``num_layers`` decoder layers, sorted
-    (``rollout.fp8.num_layers_at_start_in_bf16`` / ``num_layers_at_end_in_bf16``)."""
-    if first < 0 or last < 0:
-        raise ValueError(f"edge layer counts must be >= 0, got first={first}, last={last}")
-    return tuple(sorted(set(range(min(first, num_layers))) | set(range(max(0, num_layers - last), num_layers))))
 
 
 @dataclass

@@ -18,9 +18,11 @@ STAGES = sorted(p.stem for p in (CONF / "rl").glob("*.yaml"))
 
 
 def test_the_shipped_stages_are_there():
-    # tiny CPU, Qwen3-8B GRPO, Qwen2.5-32B DAPO: FP8 + calibration and a BF16 baseline of each
+    # tiny CPU, Qwen3-8B GRPO, Qwen2.5-32B DAPO: FP8 + calibration and a BF16 baseline of each; the FP8 KV-cache
+    # variant (the whole pipeline in FP8) of the tiny and the Qwen3-8B stage
     assert STAGES == ["qwen2_5_32b_dapo_bf16", "qwen2_5_32b_dapo_blockwise", "qwen3_8b_grpo_bf16",
-                      "qwen3_8b_grpo_blockwise", "tiny_grpo_bf16", "tiny_grpo_blockwise"]
+                      "qwen3_8b_grpo_blockwise", "qwen3_8b_grpo_blockwise_kvfp8", "tiny_grpo_bf16",
+                      "tiny_grpo_blockwise", "tiny_grpo_blockwise_kvfp8"]
 
 
 # stage -> (nodes, tasks/node, gpus/node, TP, PP, DP, algorithm, model preset, fp8 recipe)
@@ -28,6 +30,8 @@ SHAPES = {
     "tiny_grpo_blockwise": (1, 2, 0, 2, 1, 1, "grpo", "tiny", "blockwise"),
     "tiny_grpo_bf16": (1, 2, 0, 2, 1, 1, "grpo", "tiny", None),
     "qwen3_8b_grpo_blockwise": (1, 8, 8, 4, 1, 2, "grpo", "qwen3_8b", "blockwise"),
+    "qwen3_8b_grpo_blockwise_kvfp8": (1, 8, 8, 4, 1, 2, "grpo", "qwen3_8b", "blockwise"),
+    "tiny_grpo_blockwise_kvfp8": (1, 2, 0, 2, 1, 1, "grpo", "tiny", "blockwise"),
     "qwen3_8b_grpo_bf16": (1, 8, 8, 4, 1, 2, "grpo", "qwen3_8b", None),
     "qwen2_5_32b_dapo_blockwise": (4, 8, 8, 8, 2, 2, "dapo", "qwen2_5_32b", "blockwise"),
     "qwen2_5_32b_dapo_bf16": (4, 8, 8, 8, 2, 2, "dapo", "qwen2_5_32b", None),
@@ -57,6 +61,14 @@ def test_each_stage_plans_its_job(stage, tmp_path):
         assert t.rollout.tensor_parallel_size == (2 if "32b" in stage else 1)
     if stage == "qwen2_5_32b_dapo_blockwise":
         assert (t.algorithm.eps_high, t.algorithm.dynamic_sampling, t.rollout.fp8.scheme) == (0.28, True, "vllm_block")
+    # the FP8 KV variants differ from their stage only by the rollout's KV cache (and edge layers on GPU)
+    f = t.rollout.fp8
+    assert (f.kv_cache, f.kv_scales) == (("e4m3", "calibrated") if stage.endswith("_kvfp8") else ("off", "static"))
+    if stage == "qwen3_8b_grpo_blockwise_kvfp8":
+        (base,) = plans("rl=qwen3_8b_grpo_blockwise", f"base_results_dir={tmp_path}", *extra)
+        assert (f.num_layers_at_start_in_bf16, f.num_layers_at_end_in_bf16) == (1, 1)
+        assert plan.memory.rollout.kv_cache == "e4m3"
+        assert plan.memory.rollout.kv_per_sequence < 0.6 * base.memory.rollout.kv_per_sequence
 
 
 def test_a_whole_bf16_32b_engine_per_gpu_is_refused_on_80gb_gpus_naming_why(tmp_path):
