@@ -55,11 +55,14 @@ runs the next N chunks (each finishes, and is committed run by run, on its own);
 remaining chunk runs. ``--prune-finished`` deletes a finished run's ``checkpoints/`` and ``hf/`` after
 recording it.
 
-Disk (measured 2026-12-01, one save of SmolLM2-135M, ``fp8=tensorwise``): a checkpoint is 1.62 GB
-(float32 weights, Adam moments), the final ``hf/`` export 0.52 GB, a warm-up cache entry about 0.5 GB per
-(model, task, warm-up settings, seed). With ``keep_last=1`` a save writes the new checkpoint before it
-prunes the old one, so one running SmolLM2 run peaks at about 3.8 GB and a finished one keeps 2.1 GB
-(``--prune-finished``: a few MB). Two side-by-side runs plus the warm-ups of a stage: under 10 GB.
+Disk (measured 2026-12-01 on SmolLM2-135M runs): a checkpoint is 1.62 GB (float32 weights and Adam
+moments), the final ``hf/`` export 0.52 GB, a warm-up cache entry 0.62 GB per (model, task, warm-up
+settings, seed); a run's record is ~0.2 MB (the figure 0.17 MB). With ``keep_last=1`` a save writes the
+new checkpoint before it prunes the old one, so one running run peaks at 3.3 GB (3.8 GB when extending a
+finished run, whose ``hf/`` is still there) and a finished one keeps 2.1 GB (``--prune-finished``: under
+1 MB). A stage at ``--jobs 2``: 2 x 3.8 GB while running plus 2.1 GB per finished run kept plus 0.62 GB
+per warm-up (sweep: ~11 GB with pruning, ~30 GB without; confirmation: 3 seeds' warm-ups, ~10 GB with
+pruning, ~35 GB without).
 
 Groups of the tiny study (``--only``):
 * ``main``: arms bf16 / fp8 (fixed clip, calibration measured only) / fp8_calibrated, for recipes
@@ -216,8 +219,11 @@ def estimate_s(run: dict, steps: int) -> float:
 # ------------------------------------------------------------------ issue 28's protocol (--stage)
 PROTOCOL_CALIB_INTERVAL = 10
 """Calibration (fp8_calibrated) and measurement (bf16, fixed clip) every 10 steps: 10-15 points of the
-negative push per run of 100-150 steps, at about 1% of the step time (one calibration step costs ~2.1x a
-plain one on SmolLM2: three shadow forwards)."""
+negative push per run of 100-150 steps. Cost on SmolLM2 (benchmarks/study/real_notes.md): a calibration
+step runs four high-precision forwards without backward (old log-probs, one per minibatch, the push);
+measured 8.4 s of them in a tensorwise FP8 step (the push 2.7 s) against ~27 s for a plain step, so about
+3% of the mean step time at interval 10 for the FP8 arms; in a BF16 arm, whose own step is cheaper, 106 s
+against a 116 s plain step under heavy machine load, about 9%."""
 PROTOCOL_BASE = ["algorithm=grpo", *REAL, f"calibration.interval={PROTOCOL_CALIB_INTERVAL}"]
 """make demo-real's settings (SmolLM2-135M-Instruct, reasoning-gym chain_sum 2-3 terms of 1-2 digits, a
 30-step format warm-up, 8 prompts x 4 responses x 32 tokens, 2 minibatches, lr 3e-6), calibrating every
