@@ -145,6 +145,8 @@ def test_protocol_stages_plan_arms_and_fresh_confirmation_seeds():
     explore = {r["name"]: r for r in mod.stage_runs(_stage_args(mod, "stage=explore", "regime=lr1e-5"))}
     assert "lr1e-5/bf16/seed1" in explore and "lr1e-5/e5m2/fp8/seed1" in explore
     assert "lr1e-5/e5m2/bf16/seed1" not in explore  # an FP8-only condition shares the regime's BF16 run
+    assert "lr1e-5/kv_e4m3_static/bf16/seed1" not in explore  # rollout.fp8.* is FP8-only too
+    assert explore["lr1e-5/kv_e4m3_static_len64/bf16/seed1"]["overrides"][-3] == "rollout.max_new_tokens=64"
     assert explore["lr1e-5/2xlr/bf16/seed1"]["overrides"][-3] == "optim.lr=2e-05"  # {lr2x}: twice the regime's
     confirm = mod.stage_runs(_stage_args(mod, "stage=confirm", "regime=lr1e-5", "condition=e5m2"))
     assert len(confirm) == 3 * 4 and {r["seed"] for r in confirm} == {11, 12, 13}
@@ -195,6 +197,8 @@ def test_protocol_runs_compose_into_valid_configs(tmp_path):
     assert cfgs[("sweep", "lr1e-5_group8/seed1")].algorithm.group_size == 8
     assert cfgs[("explore", "lr1e-5/2xlr/bf16/seed1")].optim.lr == 2e-5
     assert cfgs[("explore", "lr1e-5/e5m2/fp8/seed1")].fp8.fp8_format == "e5m2"
+    kv = cfgs[("explore", "lr1e-5/kv_e4m3_static/fp8/seed1")].rollout.fp8
+    assert kv.kv_cache == "e4m3" and kv.kv_scales == "static"
     assert cfgs[("confirm", "base/blockwise/fp8_calibrated/seed11")].fp8.recipe == "blockwise"
 
 

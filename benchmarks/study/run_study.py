@@ -265,10 +265,15 @@ EXPLORE = {
     "2xlr": ["fp8=tensorwise", "optim.lr={lr2x}"],
     "e5m2_2xlr": ["fp8=tensorwise", "fp8.fp8_format=e5m2", "optim.lr={lr2x}"],
     "len64": ["fp8=tensorwise", "rollout.max_new_tokens=64"],
-    # FP8 KV cache with static scales: add a condition when the rollout engine has it (the FP8 KV issue)
+    # the FP8 KV cache with vLLM's default static scales (1.0 per layer), the full FP8 rollout pipeline
+    "kv_e4m3_static": ["fp8=tensorwise", "rollout.fp8.kv_cache=e4m3", "rollout.fp8.kv_scales=static"],
+    "kv_e4m3_static_len64": ["fp8=tensorwise", "rollout.fp8.kv_cache=e4m3", "rollout.fp8.kv_scales=static",
+                             "rollout.max_new_tokens=64"],
 }
-"""The exploration's FP8 conditions (``{lr2x}``: twice the regime's learning rate). Overrides of ``fp8*``
-keys apply to the FP8 arms only; the others (learning rate, length) to the condition's BF16 reference too."""
+"""The exploration's FP8 conditions (``{lr2x}``: twice the regime's learning rate). Overrides of ``fp8*`` and
+``rollout.fp8*`` keys (:data:`FP8_KEYS`) apply to the FP8 arms only; the others (learning rate, length) to
+the condition's BF16 reference too."""
+FP8_KEYS = ("fp8", "rollout.fp8")
 
 
 def _last(overrides: list[str], key: str, default: str | None = None) -> str | None:
@@ -311,7 +316,7 @@ def stage_runs(args) -> list[dict]:
 
     def condition(cond):
         extra = [o.format(lr2x=lr2x) for o in EXPLORE[cond]]
-        return extra, [o for o in extra if not o.startswith("fp8")]  # (FP8 arms', BF16 reference's)
+        return extra, [o for o in extra if not o.startswith(FP8_KEYS)]  # (FP8 arms', BF16 reference's)
 
     if args.stage == "explore":
         runs = [run(f"{args.regime}/bf16", EXPLORE_SEED, args.explore_steps, "bf16",
