@@ -76,6 +76,10 @@ class RolloutFp8Config:
     """kv_scales=calibrated: percentile (0, 100] over the sequences' amaxes (NeMo RL: 99.9)."""
     kv_calib_margin: float = 1.05
     """kv_scales=calibrated: headroom factor on the percentile amax (NeMo RL: 1.05)."""
+    kv_calib_max_tokens: int = 65536
+    """kv_scales=calibrated: most tokens per rank in the calibration forward (one sequence per prompt group of
+    the latest rollout batch, in order, until the budget is spent; at least one sequence). Bounds its memory:
+    the forward keeps tokens x hidden float32 activations."""
     num_layers_at_start_in_bf16: int = 0
     """First decoder layers the rollout keeps in high precision: their linears skip the FP8 scheme and their
     KV cache stays in the engine dtype (vLLM: the quantization config's ignored layers and
@@ -459,6 +463,9 @@ def _check_rollout_fp8(r: RolloutFp8Config, num_layers: int) -> None:
     if not (isinstance(r.kv_calib_margin, (int, float)) and math.isfinite(r.kv_calib_margin) and r.kv_calib_margin > 0):
         raise ConfigError(f"rollout.fp8.kv_calib_margin={r.kv_calib_margin!r} must be a number > 0 (NeMo RL uses 1.05; "
                           "below 1 the largest keys and values saturate)")
+    if not (isinstance(r.kv_calib_max_tokens, int) and not isinstance(r.kv_calib_max_tokens, bool)
+            and r.kv_calib_max_tokens >= 1):
+        raise ConfigError(f"rollout.fp8.kv_calib_max_tokens={r.kv_calib_max_tokens!r} must be an integer >= 1")
     for key in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         n = getattr(r, key)
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):

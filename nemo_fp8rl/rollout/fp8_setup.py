@@ -35,7 +35,8 @@ class RolloutFp8Setup:
 
     ``scheme``: the linears' FP8 scheme name (``off`` in a BF16 run); ``kv_cache``: ``off`` | ``e4m3`` |
     ``e5m2``; ``kv_scales``: ``static`` | ``calibrated``; ``high_precision_layers``: decoder layers kept out
-    of FP8 (linears and KV cache); ``kv_calib_percentile``, ``kv_calib_margin``: the calibration recipe.
+    of FP8 (linears and KV cache); ``kv_calib_percentile``, ``kv_calib_margin``, ``kv_calib_max_tokens``: the
+    calibration recipe.
     """
 
     scheme: str = "off"
@@ -44,6 +45,7 @@ class RolloutFp8Setup:
     high_precision_layers: tuple[int, ...] = ()
     kv_calib_percentile: float = 99.9
     kv_calib_margin: float = 1.05
+    kv_calib_max_tokens: int = 65536
 
     @property
     def kv_on(self) -> bool:
@@ -85,12 +87,14 @@ def rollout_fp8_setup(cfg: Any, num_layers: Optional[int] = None, training_fp8: 
         r = cfg
     if num_layers is None or training_fp8 is None:
         raise TypeError("rollout_fp8_setup(rollout.fp8 section, ...) needs num_layers and training_fp8")
+    calib = dict(kv_calib_percentile=float(r.kv_calib_percentile), kv_calib_margin=float(r.kv_calib_margin),
+                 kv_calib_max_tokens=int(r.kv_calib_max_tokens))
     if not training_fp8:
-        return RolloutFp8Setup(kv_calib_percentile=r.kv_calib_percentile, kv_calib_margin=r.kv_calib_margin)
+        return RolloutFp8Setup(**calib)
     return RolloutFp8Setup(
         scheme=r.scheme, kv_cache=r.kv_cache, kv_scales=r.kv_scales,
         high_precision_layers=edge_layers(int(num_layers), r.num_layers_at_start_in_bf16, r.num_layers_at_end_in_bf16),
-        kv_calib_percentile=float(r.kv_calib_percentile), kv_calib_margin=float(r.kv_calib_margin),
+        **calib,
     )
 
 

@@ -9,7 +9,8 @@ the percentile amax of |q|, |k|, |v| is reduced with ``max`` over all ranks and 
 (``amax * margin / M``), which go to the engine right after the sync (:meth:`KvScaleSync.sync`).
 
 Which sequences: the latest rollout batch of this rank (prompts and responses: the keys and values the
-next rollout will cache look like these), given by :meth:`KvScaleSync.observe` after each rollout. Before
+next rollout will cache look like these), given by :meth:`KvScaleSync.observe` after each rollout: its
+first response of every prompt group, in order, while they fit ``rollout.fp8.kv_calib_max_tokens``. Before
 the first rollout of a fresh run there is none: ``algorithm.prompts_per_step / DP`` prompts are drawn
 from the task with a generator seeded by (seed, DP rank), leaving the task's prompt stream untouched. The
 batch is part of the checkpoint (:meth:`state_dict`), so a resumed run calibrates exactly as the
@@ -43,16 +44,18 @@ class KvScaleSync:
         task: the run's task (calibration prompts before the first rollout: ``task.prompts(n, generator)``).
         seed, dp_rank: the run's seed and this rank's data-parallel index.
         prompts: how many prompts to draw before the first rollout.
+        group_size: responses per prompt in a rollout batch (``algorithm.group_size``).
         device: where the high-precision forward runs (the actor's device).
         pad_id: padding id of the calibration batch.
     """
 
     def __init__(self, setup: Any, model_cfg: Any, *, task: Any, seed: int, dp_rank: int, prompts: int,
-                 device: Any = "cpu", pad_id: int = 0) -> None:
+                 group_size: int = 1, device: Any = "cpu", pad_id: int = 0) -> None:
         self.setup = setup
         self.enabled = bool(setup.calibrated)
         self.model_cfg = model_cfg
         self.task, self.seed, self.dp_rank, self.prompts = task, int(seed), int(dp_rank), max(1, int(prompts))
+        self.group_size = max(1, int(group_size))
         self.device = torch.device(device)
         self.pad_id = int(pad_id)
         self._tokens: Optional[torch.Tensor] = None  # [B, T] the latest rollout batch (calibration data)
@@ -83,10 +86,17 @@ class KvScaleSync:
         return {f"kv/{n}_scale_max": make_metric(getattr(self.scales, n).max(), "max") for n in ("q", "k", "v")}
 
     def observe(self, batch: Any) -> None:
-        """Keep the rollout batch (its ``tokens`` [B, T] and ``prompt_lens + response_lens``) for the next sync."""
-        if self.enabled:
-            self._tokens = batch.tokens.detach().cpu().clone()
-            self._lengths = (batch.prompt_lens + batch.response_lens).detach().cpu().clone()
+        """Keep the rollout batch's calibration rows for the next sync: the first response of each prompt group
+        (rows 0, G, 2G, ... of ``tokens`` [B, T]; lengths ``prompt_lens + response_lens``), in order, while
+        their tokens fit ``kv_calib_max_tokens`` (at least one row)."""
+        if not self.enabled:
+            return
+        rows = torch.arange(0, batch.tokens.shape[0], self.group_size)
+        lengths = (batch.prompt_lens + batch.response_lens).detach().cpu()[rows]
+        keep = int((lengths.cumsum(0) <= self.setup.kv_calib_max_tokens).sum().clamp(min=1))
+        rows, lengths = rows[:keep], lengths[:keep]
+        self._tokens = batch.tokens.detach().cpu()[rows, : int(lengths.max())].clone()
+        self._lengths = lengths.clone()
 
     def _data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The calibration batch: the latest rollout's, or (first sync of a fresh run) seeded task prompts."""

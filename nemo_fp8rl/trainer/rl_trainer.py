@@ -133,7 +133,8 @@ class RLTrainer:
         self.local_prompts = a.prompts_per_step // self.actor.dp_size
         self.engine, self._split = self._build_engine(tok)
         self.kv_sync = KvScaleSync(self.rollout_fp8, self.model_cfg, task=self.task, seed=cfg.seed, dp_rank=dp_rank,
-                                   prompts=self.local_prompts, device=self.actor.device, pad_id=tok.pad_id)
+                                   prompts=self.local_prompts, group_size=a.group_size, device=self.actor.device,
+                                   pad_id=tok.pad_id)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             max_new_tokens=cfg.rollout.max_new_tokens, stop_on_eos=cfg.rollout.stop_on_eos,

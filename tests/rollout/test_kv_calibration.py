@@ -127,6 +127,20 @@ def test_kv_scale_sync(weights):
     assert static.sync(eng, weights) == {} and eng.kv_scales == KvScales.static(3) and static.state_dict() is None
 
 
+def test_calibration_rows_are_one_per_group_within_the_token_budget():
+    setup = RolloutFp8Setup(scheme="off", kv_cache="e4m3", kv_scales="calibrated", kv_calib_max_tokens=10)
+    sync = KvScaleSync(setup, CFG, task=None, seed=1, dp_rank=0, prompts=3, group_size=2)
+    tokens = torch.arange(6 * 9).view(6, 9)
+    lens = torch.tensor([3, 9, 4, 9, 5, 9])  # rows 0, 2, 4 open the three groups: 3 + 4 <= 10 < 3 + 4 + 5
+    sync.observe(type("B", (), {"tokens": tokens, "prompt_lens": lens - 1, "response_lens": torch.ones(6)}))
+    st = sync.state_dict()
+    assert st["lengths"].tolist() == [3, 4] and torch.equal(st["tokens"], tokens[[0, 2], :4])
+    tight = KvScaleSync(dataclasses.replace(setup, kv_calib_max_tokens=1), CFG, task=None, seed=1, dp_rank=0,
+                        prompts=3, group_size=2)
+    tight.observe(type("B", (), {"tokens": tokens, "prompt_lens": lens - 1, "response_lens": torch.ones(6)}))
+    assert tight.state_dict()["lengths"].tolist() == [3]  # at least one sequence
+
+
 def test_setup_from_the_config():
     cfg = TrainConfig()
     cfg.fp8.recipe = "blockwise"
@@ -159,6 +173,7 @@ def test_score_logprobs_is_the_engines(weights):
     ("kv_scales", "calibrated", "rollout.fp8.kv_cache=off; set rollout.fp8.kv_cache=e4m3"),
     ("kv_calib_percentile", 0.0, "rollout.fp8.kv_calib_percentile=0.0 must be in (0, 100]"),
     ("kv_calib_margin", -1.0, "rollout.fp8.kv_calib_margin=-1.0 must be a number > 0"),
+    ("kv_calib_max_tokens", 0, "rollout.fp8.kv_calib_max_tokens=0 must be an integer >= 1"),
     ("num_layers_at_start_in_bf16", -1, "rollout.fp8.num_layers_at_start_in_bf16=-1 must be an integer >= 0"),
     ("num_layers_at_end_in_bf16", 9, "exceeds model.num_layers"),
 ])
