@@ -62,11 +62,12 @@ class KvAmaxCollector:
         tokens: LongTensor [B, T], right-padded calibration sequences.
         lengths: LongTensor [B]: valid tokens of each row (positions >= length are ignored).
         device: where the forward runs (the actor's device).
-        chunk: sequences per forward chunk (bounds the attention's memory).
+        chunk_tokens: padded tokens per forward chunk (whole sequences, at least one): bounds the attention's
+            memory, which a CPU's SDPA spends as chunk x heads x T x T scores.
     """
 
     def __init__(self, shape: ModelShape, tokens: torch.Tensor, lengths: torch.Tensor,
-                 device: str | torch.device = "cpu", chunk: int = 16) -> None:
+                 device: str | torch.device = "cpu", chunk_tokens: int = 16384) -> None:
         if tokens.dim() != 2 or lengths.shape != tokens.shape[:1]:
             raise ValueError(f"calibration tokens [B, T] and lengths [B] expected, got {tuple(tokens.shape)} and "
                              f"{tuple(lengths.shape)}")
@@ -77,7 +78,7 @@ class KvAmaxCollector:
         self.tokens = tokens.to(self.device)
         B, T = tokens.shape
         self.mask = (torch.arange(T, device=self.device).unsqueeze(0) < lengths.to(self.device).unsqueeze(1))
-        self.chunk = max(1, int(chunk))
+        self.chunk = max(1, int(chunk_tokens) // T)
         self.amax = torch.zeros(shape.num_layers, 3, B)
         """[L, 3 (q, k, v), B] float32: filled as the layers pass."""
         self._h: torch.Tensor | None = None

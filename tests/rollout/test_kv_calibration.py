@@ -61,7 +61,7 @@ def test_collector_matches_a_plain_forward_in_any_stream_order(weights):
     want = _reference_amax(weights)
     shape = ModelShape.from_config(CFG)
     for order in (list(weights.items()), list(reversed(weights.items()))):  # reversed: embedding last
-        c = KvAmaxCollector(shape, TOKENS, LENGTHS, chunk=2)
+        c = KvAmaxCollector(shape, TOKENS, LENGTHS, chunk_tokens=16)  # chunks of 2 rows
         passed = list(c.tee(iter(order)))
         assert [n for n, _ in passed] == [n for n, _ in order] and c.done  # pairs pass unchanged
         torch.testing.assert_close(c.amax, want, rtol=1e-6, atol=1e-6)
