@@ -206,6 +206,11 @@ class RolloutEngine(Protocol):
     - ``close()``: release everything the engine holds (weights, caches, worker processes, temporary
       files). Idempotent, and safe on an engine whose build failed midway; afterwards ``generate`` and
       ``update_weights`` raise ``RuntimeError``, ``sleep`` / ``wake_up`` return False.
+
+    FP8 KV cache (``rollout.fp8.kv_cache``; both built-in engines): ``set_kv_scales(scales)`` takes the
+    per-layer :class:`~nemo_fp8rl.fp8.kv_cache.KvScales` the trainer calibrates (``rollout.fp8.kv_scales=
+    calibrated``) and keeps them across syncs, sleep and wake-up; ``update_weights(weights, kv_scales=...)``
+    ships them with a sync. Not part of this protocol: engines without an FP8 cache need neither.
     """
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> Any: ...

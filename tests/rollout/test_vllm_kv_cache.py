@@ -123,3 +123,22 @@ def test_edge_layers_in_the_block_fp8_sync_format():
                 assert torch.equal(out[name], sd[name])
     names = ignored_linear_names((2, 0))
     assert names[0] == "model.layers.0.self_attn.q_proj" and len(names) == 14 and names[-1] == "model.layers.2.mlp.down_proj"
+
+
+def test_vllm_skips_exactly_the_edge_layers_we_list():
+    """Both of vLLM's matchers (block FP8's exact ``ignored_layers``, online FP8's fnmatch ``ignore``) skip a
+    fused module when all of its parts are listed: the names ``ignored_linear_names`` writes."""
+    if not vllm_available():
+        pytest.skip("needs vLLM")
+    from vllm.config.quantization import resolve_quantization_config
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    names = ignored_linear_names((0, 5))
+    assert resolve_quantization_config("fp8_per_tensor", {"ignore": names}).ignore == names
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    for layer, skipped in ((0, True), (1, False), (5, True), (50, False)):
+        for module in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            prefix = f"model.layers.{layer}.{module}"
+            assert should_ignore_layer(prefix, ignore=names, fused_mapping=fused, use_fnmatch=True) == skipped
+            assert is_layer_skipped(prefix=prefix, ignored_layers=names, fused_mapping=fused, match_mode="exact") == skipped
