@@ -48,6 +48,7 @@ from nemo_fp8rl.fp8.linear import (
     fp8_gemm,
     fp8_linear,
     fp8_modules,
+    fp8_weight_cache,
     quantize_operand,
 )
 from nemo_fp8rl.fp8.quantize import (
@@ -65,7 +66,7 @@ from nemo_fp8rl.fp8.rollout import ROLLOUT_SCHEMES, RolloutScheme, get_rollout_s
 __all__ = [
     "E4M3", "E5M2", "Fp8Format", "cast_to_fp8", "get_format", "round_to_fp8",
     "DelayedScalingMeta", "Fp8Linear", "Fp8LinearState", "collect_fp8_stats", "convert_to_fp8",
-    "default_module_filter", "disable_fp8", "fp8_gemm", "fp8_linear", "fp8_modules", "quantize_operand",
+    "default_module_filter", "disable_fp8", "fp8_gemm", "fp8_linear", "fp8_modules", "fp8_weight_cache", "quantize_operand",
     "Fp8Stats", "compute_scale", "dequantize", "e8m0_exponent", "fake_quantize", "pow2_floor", "quantize",
     "Fp8Recipe", "get_recipe", "list_recipes", "register_fp8_recipe", "resolve_recipe",
     "ROLLOUT_SCHEMES", "RolloutScheme", "get_rollout_scheme",

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_fp8rl.fp8.backends import FP8_BACKENDS, torch_gemm_support
-from nemo_fp8rl.fp8.quantize import Fp8Stats, compute_scale, fake_quantize
+from nemo_fp8rl.fp8.quantize import Fp8Stats, _quantize_impl, compute_scale
 from nemo_fp8rl.fp8.recipes import ROLES, Fp8Recipe
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class Fp8LinearState:
         self.recipe = recipe
         self.delayed = {r: DelayedScalingMeta(recipe.amax_history_len) for r in ROLES} if recipe.scaling == "delayed" else {}
         self.stats: Optional[Fp8Stats] = Fp8Stats() if track_stats else None
+        self.weight_cache = WeightCache()
 
     def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
         return {r: m.state_dict() for r, m in self.delayed.items()}
@@ -92,30 +93,69 @@ class Fp8LinearState:
 
 
 def quantize_operand(
-    t: torch.Tensor, role: str, dim: int, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool
+    t: torch.Tensor, role: str, dim: int, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool,
+    size_hint: Optional[int] = None,
 ) -> torch.Tensor:
     """FP8 value of one GEMM operand under ``recipe``, grouped along reduction dim ``dim``.
 
     Args:
-        t: 2-D operand ([M, K] input, [N, K] weight or [M, N] output gradient).
+        t: 2-D operand ([M, K] input, [N, K] weight or [M, N] output gradient), any float dtype (read as
+            it is: no float32 copy is made before the fused quantizer).
         role: ``input``, ``weight`` or ``grad_output`` (selects format and granularity).
         dim: the GEMM reduction dimension of t in this use (0 or 1).
-        state: delayed-scaling metas and stats (optional).
+        state: delayed-scaling metas, stats and the weight cache (optional).
         record: update the delayed-scaling history with this tensor's amax.
+        size_hint: the layer's weight size, which ``fp8.compile=auto`` judges on a CPU (fused.wants_compile).
     Returns:
-        float32 tensor shaped like t.
+        float32 tensor shaped like t: ``float32(q) * fp32(1/s)`` per group. A weight inside
+        :func:`fp8_weight_cache` is quantized once per (dim) and reused (Transformer Engine's
+        first-micro-batch caching): its amax is recorded by that first quantization only.
     """
+    cache = state.weight_cache if (state is not None and role == "weight") else None
+    if cache is not None and cache.active:
+        hit = cache.get(t, dim)
+        if hit is not None:
+            return hit
     meta, scale = _delayed_scale(t, role, recipe, state)
     # float32 read-back whatever t's dtype: an FP8 GEMM multiplies q * scale_inv exactly, so rounding the
     # dequantized value to a bf16 input's dtype would add an error no FP8 kernel has
-    out = fake_quantize(
-        t.float(), recipe.format_for(role), recipe.granularity_for(role), dim=dim, pow2_scales=recipe.pow2_scales,
-        eps=recipe.amax_epsilon, block=recipe.mx_block, scale=scale, stats=state.stats if state is not None else None,
-        divide=recipe.dequant == "divide",
+    out, _, amax = _quantize_impl(
+        t, recipe.format_for(role), recipe.granularity_for(role), dim, recipe.pow2_scales, 0, recipe.amax_epsilon,
+        recipe.mx_block, scale, state.stats if state is not None else None, True, recipe.dequant == "divide",
+        torch.float32, size_hint,
     )
     if meta is not None and record:
-        meta.record_and_update(t.detach().abs().amax(), recipe, role)
+        meta.record_and_update(amax.detach(), recipe, role)  # delayed = per tensor: the stage-1 amax is t's amax
+    if cache is not None and cache.active:
+        cache.put(t, dim, out)
     return out
+
+
+class WeightCache:
+    """FP8 weights of one linear, kept while the weights cannot change (:func:`fp8_weight_cache`).
+
+    Entries are keyed by the reduction dim and checked against the weight's storage pointer, shape and
+    version counter, so an in-place update inside the block (which should not happen there) misses
+    instead of returning stale values. Outside the block nothing is cached.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.entries: Dict[int, Tuple[Tuple, torch.Tensor]] = {}
+
+    @staticmethod
+    def _tag(w: torch.Tensor) -> Tuple:
+        return (w.data_ptr(), tuple(w.shape), w.dtype, w._version)
+
+    def get(self, w: torch.Tensor, dim: int) -> Optional[torch.Tensor]:
+        hit = self.entries.get(dim)
+        return hit[1] if hit is not None and hit[0] == self._tag(w) else None
+
+    def put(self, w: torch.Tensor, dim: int, value: torch.Tensor) -> None:
+        self.entries[dim] = (self._tag(w), value)
+
+    def clear(self) -> None:
+        self.entries.clear()
 
 
 def _delayed_scale(t: torch.Tensor, role: str, recipe: Fp8Recipe, state: Optional[Fp8LinearState]):
@@ -154,15 +194,24 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, recipe: Optional[Fp8Recipe] = Non
     return acc
 
 
+def _no_autocast(t: torch.Tensor):
+    """Autocast off for the emulated GEMM: its operands are exact FP8 values in float32, and a bf16
+    autocast region (Megatron's schedule wraps the forward in one when params are float32) would round
+    them to bf16 and change the numbers of every emulated layer on a GPU."""
+    return torch.autocast(t.device.type, enabled=False) if torch.is_autocast_enabled(t.device.type) else contextlib.nullcontext()
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool):
         x2 = x.reshape(-1, x.shape[-1])
-        xq = quantize_operand(x2, "input", 1, recipe, state, record)
-        wq = quantize_operand(weight, "weight", 1, recipe, state, record)
-        y = fp8_gemm(xq, wq, recipe, fast=recipe.accumulation == "fast")
-        if bias is not None:
-            y = y + bias.float()
+        hint = weight.numel()  # fp8.compile=auto: the layer's size decides for all its operands
+        xq = quantize_operand(x2, "input", 1, recipe, state, record, hint)
+        wq = quantize_operand(weight, "weight", 1, recipe, state, record, hint)
+        with _no_autocast(x):
+            y = fp8_gemm(xq, wq, recipe, fast=recipe.accumulation == "fast")
+            if bias is not None:
+                y = y + bias.float()
         per_tensor = recipe.granularity_for("input") == "tensor" and recipe.wgrad_fp8
         weight_tiles = recipe.granularity_for("weight") not in ("row", "mx")
         # Per-tensor scales and 2-D weight tiles are the same in both orientations: reuse the forward
@@ -173,17 +222,23 @@ class _Fp8LinearFn(torch.autograd.Function):
         )
         ctx.reuse_x, ctx.reuse_w, ctx.has_bias = per_tensor, weight_tiles, bias is not None
         ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype = recipe, state, x.shape, x.dtype
+        ctx.size_hint = hint
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
         x_saved, w_saved, _ = ctx.saved_tensors
-        recipe, state = ctx.recipe, ctx.state
-        g = grad_y.reshape(-1, grad_y.shape[-1]).float()
+        with _no_autocast(grad_y):
+            return _Fp8LinearFn._backward(ctx, grad_y, x_saved, w_saved)
+
+    @staticmethod
+    def _backward(ctx, grad_y, x_saved, w_saved):
+        recipe, state, hint = ctx.recipe, ctx.state, ctx.size_hint
+        g = grad_y.reshape(-1, grad_y.shape[-1])  # quantized from its own dtype (no float32 copy)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            gq = quantize_operand(g, "grad_output", 1, recipe, state, record=True)
-            wq = w_saved if ctx.reuse_w else quantize_operand(w_saved, "weight", 0, recipe, state, record=False)
+            gq = quantize_operand(g, "grad_output", 1, recipe, state, True, hint)
+            wq = w_saved if ctx.reuse_w else quantize_operand(w_saved, "weight", 0, recipe, state, False, hint)
             grad_x = (gq @ wq).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             if recipe.wgrad_fp8:
@@ -191,13 +246,13 @@ class _Fp8LinearFn(torch.autograd.Function):
                 if per_tensor_g and ctx.needs_input_grad[0]:
                     gq_w = gq
                 else:
-                    gq_w = quantize_operand(g, "grad_output", 0, recipe, state, record=not ctx.needs_input_grad[0])
-                xq_w = x_saved if ctx.reuse_x else quantize_operand(x_saved, "input", 0, recipe, state, record=False)
+                    gq_w = quantize_operand(g, "grad_output", 0, recipe, state, not ctx.needs_input_grad[0], hint)
+                xq_w = x_saved if ctx.reuse_x else quantize_operand(x_saved, "input", 0, recipe, state, False, hint)
                 grad_w = gq_w.t() @ xq_w
             else:
-                grad_w = g.t() @ x_saved.float()
+                grad_w = g.float().t() @ x_saved.float()
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0)
+            grad_b = g.float().sum(0)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -383,26 +438,49 @@ def disable_fp8(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             m.fp8_enabled = flag
 
 
+@contextlib.contextmanager
+def fp8_weight_cache(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Quantize every FP8 weight of ``model`` once inside the block (Transformer Engine's first-micro-batch
+    caching, made explicit): use it around work whose weights do not change, i.e. the micro-batches of
+    one optimizer step or one log-prob pass. The cache is dropped on exit, so the next optimizer step's
+    weights are quantized afresh; entries also miss if a weight's storage, shape or version changes.
+    Nested blocks keep the outer block's cache.
+    """
+    states = [m.fp8_state for m in fp8_modules(model)]
+    entered = [st for st in states if not st.weight_cache.active]
+    try:
+        for st in entered:
+            st.weight_cache.active = True
+        yield model
+    finally:
+        for st in entered:
+            st.weight_cache.active = False
+            st.weight_cache.clear()
+
+
 def fp8_modules(model: torch.nn.Module):
     """Submodules that carry FP8 state (``fp8_state`` attribute)."""
     return [m for m in model.modules() if getattr(m, "fp8_state", None) is not None]
 
 
 def collect_fp8_stats(model: torch.nn.Module, reset: bool = True) -> Dict[str, torch.Tensor]:
-    """Sum the saturation/non-finite counters of every FP8 layer (tensors; no host sync).
+    """Sum the saturation/non-finite counters of every FP8 layer, with one device-to-host copy.
 
     Returns ``fp8/saturated`` (elements clamped), ``fp8/quantized`` (elements quantized),
-    ``fp8/saturation_frac`` and ``fp8/nonfinite_amax`` (groups whose amax was inf/NaN).
+    ``fp8/saturation_frac`` and ``fp8/nonfinite_amax`` (groups whose amax was inf/NaN), CPU tensors.
+    The counters are summed where they live (one stacked [3, L] tensor per device) and copied once.
     """
-    sat = num = bad = torch.zeros((), dtype=torch.int64)
+    per_device: Dict[torch.device, list] = {}
     for m in fp8_modules(model):
         st = m.fp8_state.stats
         if st is None:
             continue
-        sat = sat + st.saturated.cpu()
-        num = num + st.numel.cpu()
-        bad = bad + st.nonfinite_amax.cpu()
+        per_device.setdefault(st.numel.device, []).append(torch.stack([st.saturated, st.numel, st.nonfinite_amax]))
         if reset:
             st.reset()
+    total = torch.zeros(3, dtype=torch.int64)
+    for rows in per_device.values():
+        total += torch.stack(rows).sum(0).cpu()
+    sat, num, bad = total[0], total[1], total[2]
     frac = sat.double() / num.clamp(min=1).double()
     return {"fp8/saturated": sat, "fp8/quantized": num, "fp8/saturation_frac": frac, "fp8/nonfinite_amax": bad}

@@ -6,13 +6,21 @@ range, ``q = sat_fp8(x * s_g)``, and is read back as ``x_hat = float32(q) * fp32
 
 Scale rule (docs/design.md, FP8; Transformer Engine's ``compute_scale_from_amax``):
 
-    s = fp32(M * 2^-margin / max(amax, eps))      M = 448 (E4M3) / 57344 (E5M2)
-    amax in {0, inf, NaN}  ->  s = 1;   s = inf (amax tiny)  ->  s = fp32 max
+    a = max(amax, eps);  s = fp32(M * 2^-margin / a)      M = 448 (E4M3) / 57344 (E5M2)
+    a in {0, inf, NaN}  ->  s = 1
+    s = inf (a tiny)    ->  fp32 max (per tensor / row), the input dtype's max (1x128, 128x128 blocks)
     power-of-two mode:  s <- 2^floor(log2 s)       (exact, via frexp)
 
-MX (OCP microscaling, ``mxfp8``) uses an E8M0 scale, a pure power of two chosen from the block amax:
+MX (OCP microscaling, ``mxfp8``) uses an E8M0 scale, a pure power of two chosen from the block amax,
+M the max of the format the block is cast to (E5M2 gradients under ``hybrid`` use 57344):
 
-    e = ceil(log2(amax * fp32(1/448))),  clamped to [-127, 127];   q = sat(x * 2^-e),  x_hat = q * 2^e
+    e = ceil(log2(amax * fp32(1/M))),  clamped to [-127, 127];   q = sat(x * 2^-e),  x_hat = q * 2^e
+
+Speed: every entry point runs two passes over x (:func:`_quantize_impl`): the amax reduction with the
+scale rule, then the fused scale-saturate-cast (and read-back); under ``fp8.compile`` each is one
+compiled kernel (:mod:`~nemo_fp8rl.fp8.fused`), bit-equal to the eager ops. Groups are formed as views
+of x in its own layout (no transposed copy, whatever the reduction dimension), and x is read in its
+own dtype.
 
 Granularities (``granularity`` argument):
 
@@ -26,6 +34,7 @@ Granularities (``granularity`` argument):
 * ``"mx"``: 1-D blocks of ``block`` (default 32) along ``dim`` with E8M0 scales.
 
 Only the *values* fed to the GEMM are reproduced; the GEMM runs in float32 (see ``linear.py``).
+Checked bit for bit against readable ports of TE's and vLLM's own rules (``tests/fp8/test_upstream_references.py``).
 """
 
 from __future__ import annotations
@@ -34,12 +43,11 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from nemo_fp8rl.fp8 import fused
 from nemo_fp8rl.fp8.formats import Fp8Format, cast_to_fp8, get_format
 
 Granularity = Union[str, Tuple[int, int]]
 
-_FP32_MAX = torch.finfo(torch.float32).max
-_FP32_INV_448 = torch.tensor(1.0 / 448.0, dtype=torch.float32)  # fp32(1/448), as TE computes it
 
 
 def pow2_floor(s: torch.Tensor) -> torch.Tensor:
@@ -58,8 +66,15 @@ def compute_scale(
     margin: int = 0,
     pow2: bool = False,
     eps: float = 0.0,
+    input_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """FP8 scale from an amax: ``s = fp32(M * 2^-margin / max(amax, eps))``.
+    """FP8 scale from an amax, as Transformer Engine's ``compute_scale_from_amax`` computes it.
+
+        a = max(amax, eps)                    (clamped first: an all-zero group gets M / eps when eps > 0)
+        s = fp32(M * 2^-margin / a)
+        a in {0, inf, NaN}  ->  s = 1
+        s = inf (a tiny)    ->  s = the largest finite value of ``input_dtype``
+        pow2:  s <- 2^floor(log2 s)
 
     Args:
         amax: float tensor of any shape (one amax per scaling group).
@@ -67,14 +82,19 @@ def compute_scale(
         margin: extra headroom in powers of two (delayed scaling's ``margin``).
         pow2: round s down to a power of two.
         eps: lower clamp of amax (TE's ``amax_epsilon``, 0 by default).
+        input_dtype: dtype of the quantized tensor. TE's 1x128 / 128x128 kernels replace an infinite
+            scale by that dtype's largest value (3.39e38 for bf16), its per-tensor kernel by float32's
+            (the default). The two differ only with pow2 off: both round down to 2^127.
     Returns:
-        float32 tensor shaped like ``amax``. Groups whose amax is 0, inf or NaN get s = 1.
+        float32 tensor shaped like ``amax``.
     """
     f = get_format(fmt)
     amax = amax.float()
+    if eps > 0:
+        amax = torch.clamp(amax, min=eps)
     top = torch.tensor(f.max * 2.0 ** (-margin), dtype=torch.float32)
-    s = top / torch.clamp(amax, min=eps) if eps > 0 else top / amax
-    s = torch.where(torch.isinf(s), torch.full_like(s, _FP32_MAX), s)
+    s = top / amax
+    s = torch.where(torch.isinf(s), torch.full_like(s, torch.finfo(input_dtype).max), s)
     bad = (amax == 0) | ~torch.isfinite(amax)
     s = torch.where(bad, torch.ones_like(s), s)
     if pow2:
@@ -82,20 +102,25 @@ def compute_scale(
     return s
 
 
-def e8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """MX E8M0 shared exponent ``e = ceil(log2(amax * fp32(1/448)))`` clamped to [-127, 127].
+def e8m0_exponent(amax: torch.Tensor, fmt: "str | Fp8Format" = "e4m3") -> torch.Tensor:
+    """MX E8M0 shared exponent ``e = ceil(log2(amax * fp32(1/M)))`` clamped to [-127, 127].
 
+    M is the max of the format the block is cast to: 448 for E4M3, 57344 for E5M2 (hybrid's gradients),
+    as Transformer Engine's MX kernel computes ``float_to_e8m0(amax * max_norm_rcp<OType>)``.
     Computed exactly with frexp: v = m * 2^k, m in [0.5, 1); ceil(log2 v) = k - 1 if m == 0.5 else k.
-    amax = 0 gives -127 (the smallest E8M0 scale); a non-finite amax gives 0 (scale 1).
+    amax = 0 gives -127 (the smallest E8M0 scale); amax = inf gives 127 (TE's saturating conversion:
+    the block's finite values then cast to 0, its infs to +-M); a NaN amax gives 0 (scale 1; TE's
+    NaN-skipping amax never produces one).
 
     Args:
-        amax: float tensor, any shape. Returns int32 tensor of the same shape.
+        amax: float tensor, any shape. fmt: the block's FP8 format. Returns int32 tensor of amax's shape.
     """
-    v = amax.float() * _FP32_INV_448
+    v = amax.float() * torch.tensor(1.0 / get_format(fmt).max, dtype=torch.float32)
     m, k = torch.frexp(v)
     e = torch.where(m == 0.5, k - 1, k)
     e = torch.where(v == 0, torch.full_like(e, -127), e)
-    e = torch.where(torch.isfinite(v), e, torch.zeros_like(e))
+    e = torch.where(torch.isinf(v), torch.full_like(e, 127), e)
+    e = torch.where(torch.isnan(v), torch.zeros_like(e), e)
     return e.clamp(-127, 127).to(torch.int32)
 
 
@@ -110,26 +135,27 @@ class Fp8Stats:
         self.reset()
 
     def reset(self) -> None:
-        self.saturated = torch.zeros((), dtype=torch.int64)
-        self.numel = torch.zeros((), dtype=torch.int64)
-        self.nonfinite_amax = torch.zeros((), dtype=torch.int64)
+        """Zero the counters on the device they live on (no host round trip)."""
+        dev = self.numel.device if hasattr(self, "numel") else torch.device("cpu")
+        self.saturated = torch.zeros((), dtype=torch.int64, device=dev)
+        self.numel = torch.zeros((), dtype=torch.int64, device=dev)
+        self.nonfinite_amax = torch.zeros((), dtype=torch.int64, device=dev)
 
-    def add(self, scaled: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format, current: bool) -> None:
-        """Count one quantization. ``current``: the scale came from this tensor's own amax.
+    def add(self, saturated: Optional[torch.Tensor], numel: int, nonfinite: torch.Tensor) -> None:
+        """Add one quantization's counts (tensors from the quantizer; no host sync).
 
-        With a current scale no finite element can exceed M (s * amax <= M by construction), so the
-        element-wise overflow pass is needed only for a given (delayed) scale; non-finite groups are
-        counted from the per-group amax either way.
+        ``saturated`` is None for a current scale: no finite element can exceed M then (s * amax <= M
+        by construction), so only a given (delayed) scale pays for the element-wise overflow count.
         """
-        dev = self.saturated.device
-        if scaled.device != dev:
+        dev = nonfinite.device
+        if self.saturated.device != dev:
             self.saturated, self.numel, self.nonfinite_amax = (
-                t.to(scaled.device) for t in (self.saturated, self.numel, self.nonfinite_amax)
+                t.to(dev) for t in (self.saturated, self.numel, self.nonfinite_amax)
             )
-        if not current:
-            self.saturated += (scaled.abs() > fmt.max).sum()
-        self.numel += scaled.numel()
-        self.nonfinite_amax += (~torch.isfinite(amax)).sum()
+        if saturated is not None:
+            self.saturated += saturated
+        self.numel += numel
+        self.nonfinite_amax += nonfinite
 
 
 def _move_last(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -164,6 +190,92 @@ def _unblocks_2d(t: torch.Tensor, r: int, c: int) -> torch.Tensor:
     return t.permute(0, 2, 1, 3).reshape(rr * br, cc * bc)[:r, :c]
 
 
+def _split_dim(x: torch.Tensor, d: int, block: int) -> torch.Tensor:
+    """Split dim ``d`` of x into (n_blocks, block), zero-padding it to a multiple of ``block``.
+
+    [..., D, ...] -> [..., ceil(D/B), B, ...]: a view (plus the pad), no transpose, so the fused kernel
+    reads x in its own layout whatever the reduction dimension (zeros do not change an amax).
+    """
+    n = x.shape[d]
+    pad = (-n) % block
+    # compiled: pad unconditionally (a zero pad is free inside the fused kernel) so the graph does not
+    # guard on n % block and recompile for the other case; eager: skip the copy a zero pad would make
+    if torch.compiler.is_compiling() or pad:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - d) + (0, pad))
+    return x.reshape(*x.shape[:d], (n + pad) // block, block, *x.shape[d + 1:])
+
+
+def _grouped(xf: torch.Tensor, granularity: Granularity, d: int, block: int) -> torch.Tensor:
+    """x in its scaling groups, in x's own layout (see :func:`_quantize_groups`); views plus a zero pad."""
+    if granularity in ("tensor", "row"):
+        return xf
+    if granularity == "mx":
+        return _split_dim(xf, d, block)
+    if isinstance(granularity, (tuple, list)) and len(granularity) == 2:
+        br, bc = int(granularity[0]), int(granularity[1])
+        if br == 1:
+            return _split_dim(xf, d, bc)
+        if xf.dim() != 2:
+            raise ValueError(f"2-D block granularity {granularity} needs a 2-D tensor, got {tuple(xf.shape)}")
+        return _split_dim(_split_dim(xf, 1, bc), 0, br)  # [R/br, br, C/bc, bc]
+    raise ValueError(f"unknown granularity {granularity!r}; use 'tensor', 'row', (1, B), (B, B) or 'mx'")
+
+
+def _group_amax(grouped: torch.Tensor, granularity: Granularity, d: int) -> torch.Tensor:
+    """amax per group, keepdim in the grouped layout ([] for ``tensor``)."""
+    if granularity == "tensor":
+        return grouped.abs().amax()
+    if granularity == "row":
+        return grouped.abs().amax(dim=d, keepdim=True)
+    if isinstance(granularity, (tuple, list)) and granularity[0] != 1:
+        # two single-dim reductions: exact like one, and fast in eager too (a 2-dim amax of a strided
+        # view is ~100x slower on CPU)
+        return grouped.abs().amax(dim=3, keepdim=True).amax(dim=1, keepdim=True)
+    return grouped.abs().amax(dim=d + 1, keepdim=True)
+
+
+def _group_scales(
+    x: torch.Tensor, f: Fp8Format, granularity: Granularity, d: int, pow2_scales: bool, margin: int, eps: float,
+    block: int, scale: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1 (one read of x): ``(s, amax, n_nonfinite)``.
+
+    s (float32): the scale of every group, shaped to broadcast against the grouped layout; ``scale``
+    (a delayed per-tensor scale) is used as given. amax: per group (keepdim), the tensor's own amax for a
+    given scale (what delayed scaling records). n_nonfinite (int64 []): groups whose amax is inf/NaN.
+    """
+    amax = _group_amax(_grouped(x.float(), granularity, d, block), granularity, d)
+    if granularity == "mx":
+        s = torch.ldexp(torch.ones_like(amax), -e8m0_exponent(amax, f))
+    elif granularity == "tensor" and scale is not None:
+        s = scale.float()
+    else:
+        # TE's block kernels bound an infinite scale by the input dtype's max, its per-tensor kernel by fp32's
+        block = isinstance(granularity, (tuple, list))
+        s = compute_scale(amax, f, margin=margin, pow2=pow2_scales, eps=eps,
+                          input_dtype=x.dtype if block else torch.float32)
+    return s, amax, (~torch.isfinite(amax)).sum()
+
+
+def _group_cast(
+    x: torch.Tensor, s: torch.Tensor, f: Fp8Format, granularity: Granularity, d: int, block: int,
+    count_saturated: bool, fake: bool, divide: bool, out_dtype: torch.dtype,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Stage 2 (one read of x, one write): scale, saturate, cast; with ``fake`` also read back.
+
+    ``q = fp8(clamp(x * s, -M, M))`` in the grouped layout; ``fake``: ``x_hat = float32(q) * fp32(1/s)``
+    (``divide``: ``float32(q) / s``) back in x's shape as ``out_dtype``. n_saturated (int64 []) counts
+    |x * s| > M when ``count_saturated`` (a given delayed scale), else None.
+    """
+    scaled = _grouped(x.float(), granularity, d, block) * s
+    n_sat = (scaled.abs() > f.max).sum() if count_saturated else None
+    data = cast_to_fp8(scaled, f)
+    if not fake:
+        return data, n_sat
+    read_back = data.float() / s if divide else data.float() * (1.0 / s)
+    return _from_layout(read_back, x, granularity, d).to(out_dtype), n_sat
+
+
 def _quantize_groups(
     x: torch.Tensor,
     f: Fp8Format,
@@ -174,42 +286,77 @@ def _quantize_groups(
     eps: float,
     block: int,
     scale: Optional[torch.Tensor],
-    stats: Optional[Fp8Stats],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Group x, compute one scale per group and cast; returns (grouped fp8 data, scale s)."""
-    xf = x.float()
-    if granularity == "tensor":
-        amax = xf.abs().amax()
-        s = compute_scale(amax, f, margin=margin, pow2=pow2_scales, eps=eps) if scale is None else scale.float()
-        grouped = xf
-    elif granularity == "row":
-        amax = xf.abs().amax(dim=dim, keepdim=True)
-        s = compute_scale(amax, f, margin=margin, pow2=pow2_scales, eps=eps)
-        grouped = xf
-    elif granularity == "mx":
-        grouped, _ = _blocks_1d(_move_last(xf, dim), block)
-        amax = grouped.abs().amax(dim=-1, keepdim=True)
-        s = torch.ldexp(torch.ones_like(amax), -e8m0_exponent(amax))
-    elif isinstance(granularity, (tuple, list)) and len(granularity) == 2:
-        br, bc = int(granularity[0]), int(granularity[1])
-        if br == 1:
-            grouped, _ = _blocks_1d(_move_last(xf, dim), bc)
-            amax = grouped.abs().amax(dim=-1, keepdim=True)
-        else:
-            if xf.dim() != 2:
-                raise ValueError(f"2-D block granularity {granularity} needs a 2-D tensor, got {tuple(x.shape)}")
-            grouped = _blocks_2d(xf, br, bc)
-            # one flat reduction per tile (torch's CPU multi-dim amax is ~100x slower)
-            amax = grouped.reshape(*grouped.shape[:2], -1).abs().amax(dim=-1)[..., None, None]
-        s = compute_scale(amax, f, margin=margin, pow2=pow2_scales, eps=eps)
-    else:
-        raise ValueError(
-            f"unknown granularity {granularity!r}; use 'tensor', 'row', (1, B), (B, B) or 'mx'"
-        )
-    scaled = grouped * s
+    count_saturated: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Group x, compute one scale per group and cast: ``(data, s, n_saturated, n_nonfinite)`` in x's layout.
+
+    The eager composition of the two stages :func:`_quantize_impl` runs (compiled or not).
+    Layout (no transposes, so one fused pass reads x as it lies): ``tensor``/``row``: data like x, s
+    ``[]`` / x's shape with 1 at ``dim``. 1-D blocks (``(1, B)``, ``mx``): ``dim`` split into
+    (n_blocks, B), data [..., n_blocks, B, ...] zero padded, s [..., n_blocks, 1, ...]. 2-D tiles
+    ``(B, B)``: data [R/B, B, C/B, B], s [R/B, 1, C/B, 1]. :func:`quantize` turns these into its
+    documented layout (views).
+    """
+    d = dim % x.dim() if x.dim() else 0
+    s, _, n_bad = _group_scales(x, f, granularity, d, pow2_scales, margin, eps, block, scale)
+    data, n_sat = _group_cast(x, s, f, granularity, d, block, count_saturated, False, False, torch.float32)
+    return data, s, n_sat, n_bad
+
+
+def _to_documented_layout(t: torch.Tensor, granularity: Granularity, d: int) -> torch.Tensor:
+    """From :func:`_quantize_groups`' layout to :func:`quantize`'s (a view): 1-D blocks [..., n_blocks, B]
+    with ``dim`` moved last, 2-D tiles [R/B, C/B, B, B]."""
+    if granularity in ("tensor", "row"):
+        return t
+    if isinstance(granularity, (tuple, list)) and granularity[0] != 1:
+        return t.permute(0, 2, 1, 3)
+    return t.movedim((d, d + 1), (-2, -1))
+
+
+def _from_layout(grouped: torch.Tensor, like: torch.Tensor, granularity: Granularity, d: int) -> torch.Tensor:
+    """Undo :func:`_quantize_groups`' grouping: back to ``like``'s shape, padding dropped (views)."""
+    if granularity in ("tensor", "row"):
+        return grouped
+    if isinstance(granularity, (tuple, list)) and granularity[0] != 1:
+        rr, br, cc, bc = grouped.shape
+        return grouped.reshape(rr * br, cc * bc)[: like.shape[0], : like.shape[1]]
+    merged = grouped.reshape(*grouped.shape[:d], -1, *grouped.shape[d + 2:])
+    return merged.narrow(d, 0, like.shape[d])
+
+
+def _quantize_impl(
+    x: torch.Tensor, f: Fp8Format, granularity: Granularity, dim: int, pow2_scales: bool, margin: int, eps: float,
+    block: int, scale: Optional[torch.Tensor], stats: Optional[Fp8Stats], fake: bool, divide: bool,
+    out_dtype: torch.dtype, size_hint: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quantizer both public entry points run: ``(out, s, amax)`` (``out``: FP8 data in the grouped
+    layout, or with ``fake`` the read-back in x's shape; s and amax per group, keepdim).
+
+    Two passes over x, traced as one function and compiled as one graph under ``fp8.compile``
+    (:mod:`~nemo_fp8rl.fp8.fused`): the amax reduction with the scale rule, then the fused
+    scale-saturate-cast (and read-back). The scales are outputs of the graph, which makes Inductor
+    materialise them once per group; computed inside the cast loop only, it would repeat the scale rule
+    (a division, isinf/NaN checks) for every element. ``size_hint``: see
+    :func:`~nemo_fp8rl.fp8.fused.wants_compile`.
+    """
+    d = dim % x.dim() if x.dim() else 0
+    gran = tuple(granularity) if isinstance(granularity, (tuple, list)) else granularity
+    count = stats is not None and scale is not None
+    key = (f.name, gran, -1 if gran == "tensor" else d, x.dim(), int(block), bool(pow2_scales), int(margin),
+           float(eps), scale is None, count, bool(fake), bool(divide), out_dtype)
+
+    def both(t, sc):
+        s_, amax_, n_bad_ = _group_scales(t, f, gran, d, pow2_scales, margin, eps, block, sc)
+        out_, n_sat_ = _group_cast(t, s_, f, gran, d, block, count, fake, divide, out_dtype)
+        return out_, s_, amax_, n_bad_, n_sat_
+
+    def make():
+        return (lambda t: both(t, None)) if scale is None else both
+
+    out, s, amax, n_bad, n_sat = fused.run(key, make, *((x,) if scale is None else (x, scale)), size_hint=size_hint)
     if stats is not None:
-        stats.add(scaled, amax, f, current=scale is None)
-    return cast_to_fp8(scaled, f), s
+        stats.add(n_sat, x.numel(), n_bad)
+    return out, s, amax
 
 
 def quantize(
@@ -245,8 +392,10 @@ def quantize(
         scale_inv: float32 ``fp32(1/s)`` per group: ``[]``, x's shape with 1 at ``dim``,
             ``[..., n_blocks, 1]`` or ``[R/B, C/B, 1, 1]``.
     """
-    data, s = _quantize_groups(x, get_format(fmt), granularity, dim, pow2_scales, margin, eps, block, scale, stats)
-    return data, 1.0 / s
+    data, s, _ = _quantize_impl(x, get_format(fmt), granularity, dim, pow2_scales, margin, eps, block, scale, stats,
+                                False, False, torch.float32)
+    d = dim % x.dim() if x.dim() else 0
+    return _to_documented_layout(data, granularity, d), _to_documented_layout(1.0 / s, granularity, d)
 
 
 def dequantize(
@@ -284,13 +433,18 @@ def fake_quantize(
     scale: Optional[torch.Tensor] = None,
     stats: Optional[Fp8Stats] = None,
     divide: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """Quantize-dequantize: the FP8 value each element of x is replaced by, in x's shape and dtype.
+    """Quantize-dequantize: the FP8 value each element of x is replaced by, in x's shape.
 
     ``x_hat = float32(sat_fp8(x * s)) * fp32(1/s)`` per group (Transformer Engine's convention); with
     ``divide=True`` the read-back is ``float32(q) / s`` (torchao's convention). The two agree exactly
-    for power-of-two scales and within one float32 ulp otherwise. Arguments as in :func:`quantize`.
+    for power-of-two scales and within one float32 ulp otherwise. Arguments as in :func:`quantize`;
+    ``out_dtype`` (default x's dtype): the read-back's dtype; float32 keeps every FP8 value times its
+    scale-inverse exact, as an FP8 GEMM sees it. x is read in its own dtype (a bf16 tensor is not copied
+    to float32 first); under ``fp8.compile`` the whole function is one fused pass after the amax.
     """
-    data, s = _quantize_groups(x, get_format(fmt), granularity, dim, pow2_scales, margin, eps, block, scale, stats)
-    read_back = data.float() / s if divide else data.float() * (1.0 / s)
-    return _ungroup(read_back, x, granularity, dim).to(x.dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out, _, _ = _quantize_impl(x, get_format(fmt), granularity, dim, pow2_scales, margin, eps, block, scale, stats,
+                               True, divide, out_dtype)
+    return out

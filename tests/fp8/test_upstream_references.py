@@ -168,13 +168,6 @@ def _blocks_with_edges(dtype):
     return x.to(dtype)
 
 
-def _bf16_fp32_scales_xfail(dtype, pow2):
-    if dtype == torch.bfloat16 and not pow2:
-        pytest.xfail("TE's block kernels replace an infinite scale by the input dtype's max (bf16: 3.39e38); "
-                     "compute_scale takes input_dtype, but quantize.py's (1, B) / (B, B) call does not pass "
-                     "x.dtype yet")
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pow2", [True, False])
@@ -183,8 +176,6 @@ def _bf16_fp32_scales_xfail(dtype, pow2):
 def test_blockwise_edge_blocks_are_te(fmt, dtype, pow2, eps, tile):
     """Zero block (scale 1, or M/eps when eps > 0: TE clamps first), amax 1e-38 (an infinite scale), inf."""
     x = _blocks_with_edges(dtype)
-    if eps == 0.0:
-        _bf16_fp32_scales_xfail(dtype, pow2)
     q, si = quantize(x, fmt, tile, pow2_scales=pow2, eps=eps)
     wq, wsi = te.quantize_blockwise(x, fmt, tile, pow2=pow2, eps=eps)
     if tile[0] == 1:
