@@ -38,8 +38,10 @@ class Fp8Config:
     """Delayed scaling: most_recent | max."""
     margin: int = 0
     """Delayed scaling margin (powers of two of headroom)."""
-    accumulation: str = "fp32"
-    """fp32 | fast (model Hopper's un-promoted FP8 accumulation in forward GEMMs)."""
+    accumulation: Optional[str] = None
+    """Forward-GEMM accumulation: null = the backend's default (fast on torch/TE, as TE and torchao do;
+    exact float32 in the emulation) | fp32 (full accumulation everywhere) | fast (the emulation models
+    Hopper's un-promoted accumulation, slowly). dgrad and wgrad always accumulate in full."""
     first_last_layers_bf16: bool = False
     """Keep the first/last transformer layers in high precision (not with delayed)."""
     num_layers_at_start_in_bf16: int = 1
@@ -54,6 +56,10 @@ class Fp8Config:
     Checkpoints resume under any backend."""
     use_te: Optional[bool] = None
     """Deprecated spelling of fp8.backend: true = te, false = emulate (an error if it contradicts fp8.backend)."""
+    compile: str = "auto"
+    """Fused quantization with torch.compile (Inductor: Triton on GPU, C++ on CPU), bit-equal to eager:
+    auto (GPU always; CPU for layers whose weight has >= 2^18 elements, i.e. real models, not the tiny
+    demo) | true | false. Where compile is unavailable the quantizer runs eager and says so once."""
 
 
 @dataclass
@@ -438,6 +444,7 @@ def check_choice(key: str, value, options) -> None:
 
 def _resolve_fp8_backend_key(f: Fp8Config) -> None:
     """Check ``fp8.backend`` and fold the deprecated ``fp8.use_te`` into it (one name per concept)."""
+    check_choice("fp8.compile", str(f.compile).lower(), ["auto", "true", "false"])
     if f.backend is not None:
         check_choice("fp8.backend", f.backend, ["emulate", "torch", "te"])
     if f.use_te is not None:

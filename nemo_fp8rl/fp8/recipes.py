@@ -69,8 +69,11 @@ class Fp8Recipe:
     """MXFP8 block length."""
     wgrad_fp8: bool = True
     """Run the weight-gradient GEMM in FP8 (Megatron's fp8_wgrad); False keeps it high precision."""
-    accumulation: str = "fp32"
-    """fp32, or fast: model Hopper's un-promoted FP8 accumulation (14 significant bits per 32-term chunk)."""
+    accumulation: Optional[str] = None
+    """Forward-GEMM accumulation. None (default): each backend's own default, i.e. fast (un-promoted) on
+    the torch and TE backends (TE's and torchao's forward default; dgrad and wgrad always accumulate in full)
+    and exact float32 in the emulation; fp32: full accumulation everywhere; fast: fast on the real
+    backends, and the emulation models it (14 significant bits per 32-term chunk, slow on a CPU)."""
     accumulation_chunk: int = 32
     """Fast accumulation: reduction terms summed before each truncation."""
     accumulation_bits: int = 14
@@ -101,8 +104,10 @@ class Fp8Recipe:
             )
         if self.amax_history_len < 1:
             raise ValueError(f"fp8 recipe {self.name!r}: amax_history_len must be >= 1")
-        if self.accumulation not in ("fp32", "fast"):
-            raise ValueError(f"fp8 recipe {self.name!r}: accumulation={self.accumulation!r}; use 'fp32' or 'fast'")
+        if self.accumulation not in (None, "fp32", "fast"):
+            raise ValueError(
+                f"fp8 recipe {self.name!r}: accumulation={self.accumulation!r}; use 'fp32', 'fast' or null (the backend's default)"
+            )
         if self.dequant not in ("scale_inv", "divide"):
             raise ValueError(f"fp8 recipe {self.name!r}: dequant={self.dequant!r}; use 'scale_inv' or 'divide'")
         if self.first_last_layers_bf16 and self.scaling == "delayed":

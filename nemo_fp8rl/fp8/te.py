@@ -84,7 +84,10 @@ def te_recipe(recipe: Fp8Recipe):
             amax_compute_algo=recipe.amax_compute_algo,
         )
     if recipe.scaling == "tensorwise":
-        return R.Float8CurrentScaling(fp8_format=fmt)
+        kw = {}
+        if recipe.accumulation == "fp32" and hasattr(R, "MMParams"):  # TE's default forward is fast (split off)
+            kw["fp8_gemm_fprop"] = R.MMParams(use_split_accumulator=True)
+        return R.Float8CurrentScaling(fp8_format=fmt, **kw)
     if recipe.scaling == "blockwise":
         os.environ.update(recipe.te_env())  # for TE code that reads it later (child processes)
         kw = {}

@@ -68,12 +68,13 @@ def _gemm_out_dtype(x_dtype: torch.dtype) -> torch.dtype:
 
 
 def forward_fast_accum(recipe: Fp8Recipe) -> bool:
-    """Whether the forward GEMM uses fast (un-promoted) accumulation: ``recipe.accumulation == "fast"``,
-    the setting the emulation models (14 significant bits per 32-term chunk), so both backends run the
-    same arithmetic. Transformer Engine and torchao turn it on in the forward GEMM by default; the recipe
-    does not yet (a recipe field for it is the recipe owner's call). dgrad and wgrad never use it, and
-    torch's block-scaled kernels refuse it (``backends.scaled_gemm`` drops it there)."""
-    return recipe.accumulation == "fast"
+    """Whether the forward GEMM uses fast (un-promoted) accumulation: yes unless ``accumulation="fp32"``.
+
+    ``accumulation=None`` (the default) is the backend's default, and on real FP8 kernels that is fast in the
+    forward GEMM, as Transformer Engine and torchao do; ``fast`` is the same here (the emulation models it).
+    dgrad and wgrad never use it, and torch's block-scaled kernels refuse it (``backends.scaled_gemm``
+    drops it there)."""
+    return recipe.accumulation != "fp32"
 
 
 class _Fp8TorchLinearFn(torch.autograd.Function):

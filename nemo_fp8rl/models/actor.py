@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from nemo_fp8rl.algorithms.metrics import Metric, make_metric, reduce_metrics
 from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
+from nemo_fp8rl.fp8.linear import fp8_weight_cache
 from nemo_fp8rl.models.cpu_schedules import cpu_pipeline_schedules
 from nemo_fp8rl.models.gpt import build_gpt_model, resolve_model_fp8_backend
 from nemo_fp8rl.models.hf_weights import (
@@ -220,7 +221,9 @@ class FP8Actor:
 
         seq = max(mb["tokens"].shape[1] for mb in microbatches)
         seq += (-seq) % pad_to
-        with cpu_pipeline_schedules(enabled=self.device.type == "cpu"):
+        # one schedule = one set of weights (the optimizer steps after it): each FP8 weight is quantized
+        # once for all its microbatches (Transformer Engine's first-microbatch caching)
+        with cpu_pipeline_schedules(enabled=self.device.type == "cpu"), fp8_weight_cache(self.model):
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(microbatches),

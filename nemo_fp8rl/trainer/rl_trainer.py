@@ -50,6 +50,7 @@ from nemo_fp8rl.algorithms import (
 from nemo_fp8rl.algorithms.degeneracy import degeneracy_metrics, degenerate_signals, unlikely_token_frac
 from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.fp8 import collect_fp8_stats
+from nemo_fp8rl.fp8 import fused
 from nemo_fp8rl.fp8.recipes import build_fp8_recipe, resolve_auto_recipe
 from nemo_fp8rl.trainer.calibration_pass import make_calibration_pass
 from nemo_fp8rl.rollout.fp8_setup import rollout_fp8_setup
@@ -117,6 +118,7 @@ class RLTrainer:
                 f"{tok.vocab_size}; set model.vocab_size=null to take it from the tokenizer"
             )
         resolve_auto_recipe(cfg)  # fp8=auto: the recipe for this rank's device, written into cfg (config.yaml)
+        fused.set_compile_mode(cfg.fp8.compile)  # fp8.compile: fused (torch.compile) or eager quantization
         self.recipe = build_fp8_recipe(cfg)
         self.actor = (load_hf_policy if cfg.model.hf_path else build_actor)(
             self.model_cfg, cfg.parallel, fp8_recipe=self.recipe, seed=cfg.seed, lr=cfg.optim.lr,

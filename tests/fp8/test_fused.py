@@ -239,3 +239,31 @@ def test_collect_fp8_stats_sums_every_layer():
     assert stats["fp8/saturated"].item() > 0 and stats["fp8/nonfinite_amax"].item() == 0
     again = collect_fp8_stats(model)  # reset by the first call
     assert again["fp8/quantized"].item() == 0
+
+
+def test_fp8_compile_config_key_is_checked():
+    from nemo_fp8rl.config.schema import ConfigError, TrainConfig, check_values
+
+    cfg = TrainConfig()
+    cfg.fp8.recipe = "tensorwise"
+    cfg.fp8.compile = "sometimes"
+    with pytest.raises(ConfigError, match=r"fp8\.compile='sometimes'"):
+        check_values(cfg)
+    cfg.fp8.compile = "False"  # what OmegaConf makes of a YAML false in a str field
+    check_values(cfg)
+
+
+def test_forward_fast_accumulation_is_the_real_backends_default():
+    """TE and torchao run the forward GEMM with fast accumulation; the emulation stays exact unless asked."""
+    from nemo_fp8rl.fp8.torch_linear import forward_fast_accum
+
+    assert get_recipe("tensorwise").accumulation is None
+    assert forward_fast_accum(get_recipe("tensorwise"))
+    assert forward_fast_accum(get_recipe("tensorwise", accumulation="fast"))
+    assert not forward_fast_accum(get_recipe("tensorwise", accumulation="fp32"))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(8, 64)
+    default = Fp8Linear.from_linear(lin, get_recipe("tensorwise"))(x)
+    exact = Fp8Linear.from_linear(lin, get_recipe("tensorwise", accumulation="fp32"))(x)
+    assert torch.equal(default, exact)
