@@ -10,6 +10,15 @@ bounds, other responses), so its ratio also carries trajectory differences; the 
 follows the fixed arm's trajectory exactly, so its ratio is the cost of calibration alone.
 
     python benchmarks/bench_step.py [--steps 60] [--interval 20] [--recipe tensorwise]
+
+``--real`` instead measures what FP8 costs per step on the ``make demo-real`` settings (SmolLM2-135M,
+reasoning-gym chain_sum, ``nemo_fp8rl.demo.REAL``): BF16 (``fp8=off``) against each FP8 recipe with the
+fused quantizer (``fp8.compile=true``) and, for comparison, the eager one (``fp8.compile=false``), all
+fixed clip, in one process, steps interleaved. Step 0 (compiles, allocator warm-up) is not counted. The
+arms' trajectories differ after step 0 (other bounds, other samples), so a few steps' mean is compared,
+phase by phase. Target (issue 26): an FP8 step at most 1.2x the BF16 step.
+
+    python benchmarks/bench_step.py --real [--steps 4] [--recipes tensorwise,blockwise] [--threads 2]
 """
 
 from __future__ import annotations
@@ -41,6 +50,62 @@ def make_cfg(out: str, recipe: str, mode: str, interval: int, steps: int, cache_
     return cfg
 
 
+def real_trainer(out: str, overrides: list, cache_dir: str):
+    """An RLTrainer for the demo-real settings plus ``overrides``, composed by Hydra as the CLI does."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemo_fp8rl.demo import REAL
+    from nemo_fp8rl.train import CONF_DIR, register_schema, to_train_config
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        dict_cfg = compose("config", overrides=[*REAL, "algorithm=grpo", f"output_dir={out}", "seed=1",
+                                                f"warmup.cache_dir={cache_dir}", "logger.progress=none",
+                                                "trainer.cpu_threads=0", *overrides])
+    GlobalHydra.instance().clear()
+    cfg = to_train_config(dict_cfg)
+    tr = RLTrainer(cfg)
+    tr.setup(warm_start=run_warmup(cfg, tr.model_cfg, tr.task))
+    return tr
+
+
+def main_real(args) -> None:
+    from nemo_fp8rl.fp8 import fused
+
+    tmp = tempfile.mkdtemp(prefix="bench_step_real_")
+    arms = {"bf16": (["fp8=off", "calibration=off"], "false")}
+    for recipe in args.recipes.split(","):
+        arms[f"{recipe} fused"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=true"], "true")
+        arms[f"{recipe} eager"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=false"], "false")
+    trainers = {name: real_trainer(f"{tmp}/{name.replace(' ', '_')}", ov, args.warmup_cache)
+                for name, (ov, _) in arms.items()}
+    phases = PHASES + ("weight_sync",)
+    times = {name: {p: [] for p in phases} for name in arms}
+    t0 = time.time()
+    for i in range(args.steps + 1):
+        for name, tr in trainers.items():
+            with fused.compile_mode_set(arms[name][1]):
+                m = tr.step()
+            if i == 0:
+                continue  # compiles and first-touch allocations
+            for p in phases:
+                times[name][p].append(m.get(f"timing/{p}", 0.0))
+    for tr in trainers.values():
+        tr.close()
+    print(f"demo-real GRPO step (SmolLM2-135M, chain_sum), {args.steps} steps per arm after step 0, interleaved, "
+          f"torch threads {torch.get_num_threads()}, total {time.time() - t0:.0f}s")
+    print(f"{'phase (mean s)':<16}" + "".join(f"{n:>18}" for n in arms))
+    for p in phases:
+        if any(times[n][p] and statistics.mean(times[n][p]) for n in arms):
+            print(f"{p:<16}" + "".join(f"{statistics.mean(times[n][p]):>18.2f}" for n in arms))
+    ref = statistics.mean(times["bf16"]["step"])
+    print(f"{'x bf16 step':<16}" + "".join(f"{statistics.mean(times[n]['step']) / ref:>18.2f}" for n in arms))
+    if fused.compile_unavailable():
+        print(f"note: compile unavailable ({fused.compile_unavailable()}): the fused arms ran eager")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
@@ -49,8 +114,14 @@ def main() -> None:
     ap.add_argument("--warmup-cache", default="runs/.warmup_cache",
                     help="warm-up cache directory (the warm-up is the trainer's default, computed once)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--real", action="store_true", help="BF16 vs FP8 step on the make demo-real settings")
+    ap.add_argument("--recipes", default="tensorwise,blockwise", help="--real: FP8 recipes to compare")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.real:
+        if args.steps == 60:
+            args.steps = 4
+        return main_real(args)
     tmp = tempfile.mkdtemp(prefix="bench_step_")
     arms = {}
     for name, mode in (("fixed", "off"), ("calibrated", "paper"), ("measured", "measure")):

@@ -5,8 +5,9 @@ For each recipe (:data:`common.RECIPES`) on the same inputs x [M, K] (activation
 W [N, K] and dy [M, N] (small output gradients), all BF16 (float32 in the dry run, as CPU models are):
 
 1. Quantized operands: ``quantize`` of every operand along every reduction dimension a linear uses
-   (x and W along K, dy and W along N, dy and x along the tokens M) on the device and on the CPU must
-   give the same FP8 bytes and the same float32 scale-inverses (``torch.equal`` of the bytes).
+   (x and W along K, dy and W along N, dy and x along the tokens M), fused (``fp8.compile=true``: Triton)
+   on the device and eager on the CPU, must give the same FP8 bytes and the same float32 scale-inverses
+   (``torch.equal`` of the bytes).
 2. GEMMs: one ``Fp8Linear`` per backend converted from the same BF16 linear with ``convert_to_fp8``
    (``backend="torch"`` and ``backend="emulate"``; a layer torch cannot run falls back and says why),
    forward y = Q(x) Q(W)^T, dgrad dx = Q(dy) Q(W), wgrad dW = Q(dy)^T Q(x). Each output of each
@@ -45,10 +46,11 @@ def _inputs(dry: bool):
 
 
 def _quantizers_equal(rec, x, w, dy, device) -> dict:
-    """Operand name -> True when device and CPU quantization give identical FP8 bytes and scales."""
+    """Operand name -> True when the device's fused quantizer and the CPU's eager one give identical FP8
+    bytes and scales."""
     import torch
 
-    from nemo_fp8rl.fp8 import compute_scale, quantize
+    from nemo_fp8rl.fp8 import compute_scale, fused, quantize
 
     tensors = {"input": x, "weight": w, "grad_output": dy}
     out = {}
@@ -59,8 +61,14 @@ def _quantizers_equal(rec, x, w, dy, device) -> dict:
         if rec.scaling == "delayed":  # scale of an older amax, half the current one: top values saturate
             scale = compute_scale(t.float().abs().amax() * 0.5, fmt)
         kw = dict(dim=dim, pow2_scales=rec.pow2_scales, eps=rec.amax_epsilon, block=rec.mx_block)
-        qd, sd = quantize(t.to(device), fmt, rec.granularity_for(role), scale=None if scale is None else scale.to(device), **kw)
-        qc, sc = quantize(t, fmt, rec.granularity_for(role), scale=scale, **kw)
+        # the device's fused (compiled: Triton on a GPU) quantizer against the CPU's eager one, the readable
+        # reference: equal bytes pin both the fused path and the device's arithmetic (the CPU dry run keeps
+        # eager on both sides: tests/fp8/test_fused.py pins the CPU's compiled quantizer)
+        with fused.compile_mode_set("true" if torch.device(device).type == "cuda" else "false"):
+            qd, sd = quantize(t.to(device), fmt, rec.granularity_for(role),
+                              scale=None if scale is None else scale.to(device), **kw)
+        with fused.compile_mode_set("false"):
+            qc, sc = quantize(t, fmt, rec.granularity_for(role), scale=scale, **kw)
         out[name] = bool(torch.equal(qd.cpu().view(torch.uint8), qc.view(torch.uint8))
                          and torch.equal(sd.cpu(), sc))
     return out
