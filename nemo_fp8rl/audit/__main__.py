@@ -1,0 +1,3 @@
+from nemo_fp8rl.audit.cli import main
+
+main()

@@ -1,0 +1,251 @@
+"""One audit, top to bottom: inputs -> high-precision samples -> scores per configuration -> statistics ->
+layer ranking -> recommendation -> report (docs/audit.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_fp8rl.audit.configs import AuditConfiguration, parse_configs
+from nemo_fp8rl.audit.settings import check_audit_config
+from nemo_fp8rl.config.schema import ConfigError
+
+__all__ = ["run_audit"]
+
+log = logging.getLogger("nemo_fp8rl.audit")
+
+
+@contextlib.contextmanager
+def _timed(timings: dict, key: str):
+    t0 = time.perf_counter()
+    log.info("audit: %s ...", key)
+    try:
+        yield
+    finally:
+        timings[key] = round(time.perf_counter() - t0, 2)
+        log.info("audit: %s done in %.1f s", key, timings[key])
+
+
+def _load_inputs(cfg: Any) -> tuple[Any, Any, Any, list[list[int]]]:
+    """(model_cfg, tokenizer, HF-named weights, prompt ids) as the trainer would see them."""
+    from nemo_fp8rl.audit.prompts import load_task, prompts_from_file, prompts_from_task
+    from nemo_fp8rl.models.hf_config import resolve_model_config
+
+    a = cfg.audit
+    model_cfg = resolve_model_config(cfg.model)
+    if a.prompts_file and model_cfg.hf_path:
+        from nemo_fp8rl.tasks.hf_tokenizer import HFTokenizer
+
+        tok = HFTokenizer.from_pretrained(model_cfg.hf_path)
+        prompts = prompts_from_file(a.prompts_file, tok, a.prompts, key=a.prompt_key, chat_template=a.chat_template)
+    else:
+        task = load_task(cfg)
+        tok = task.tokenizer
+        prompts = (prompts_from_file(a.prompts_file, tok, a.prompts, key=a.prompt_key, chat_template=a.chat_template)
+                   if a.prompts_file else prompts_from_task(task, a.prompts, cfg.seed * 1000 + 977))
+        task.close()
+    longest = max(len(p) for p in prompts)
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or tok.vocab_size,
+                                    seq_length=max(model_cfg.seq_length, longest + a.response_len))
+    if model_cfg.hf_path:
+        from nemo_fp8rl.models.hf_load import load_hf_state_dict
+
+        weights = load_hf_state_dict(model_cfg.hf_path, model_cfg)
+    else:
+        from nemo_fp8rl.models.hf_weights import init_hf_state_dict
+
+        log.warning("audit: model.hf_path is not set: auditing the seeded random initial weights of model=%s "
+                    "(give model.hf_path or a registry model for a trained one)", model_cfg.name)
+        weights = init_hf_state_dict(model_cfg, cfg.seed)
+    return model_cfg, tok, weights, prompts
+
+
+def _device(cfg: Any) -> tuple[torch.device, torch.dtype, str]:
+    """GPU: bfloat16 engines with torch's FP8 GEMMs where they run the scheme (``fp8.backend=emulate`` keeps
+    them emulated); CPU: float32, emulated."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16, "emulate" if cfg.fp8.backend == "emulate" else "torch"
+    return torch.device("cpu"), torch.float32, "emulate"
+
+
+def _rank_target(configs: list[AuditConfiguration], name: Any) -> AuditConfiguration | None:
+    roll = [c for c in configs if c.side == "rollout"]
+    if name is not None:
+        for c in configs:
+            if c.name == name:
+                if c.side != "rollout":
+                    raise ConfigError(f"audit.rank_config={name!r} is a training configuration; layers are ranked "
+                                      "in the rollout engine: name a rollout configuration of audit.configs")
+                return c
+        raise ConfigError(f"audit.rank_config={name!r} is not in audit.configs {[c.name for c in configs]}; name one "
+                          "of them or null")
+    plain = [c for c in roll if not any(c.edge)]
+    return (plain or roll or [None])[-1]
+
+
+def run_audit(cfg: Any, command: str = "") -> dict:
+    """Run the audit of ``cfg`` (an :class:`~nemo_fp8rl.audit.settings.AuditRunConfig`, validated) and write
+    its report; returns the report's dict (what ``audit.json`` holds)."""
+    from nemo_fp8rl.audit import stats
+    from nemo_fp8rl.audit.recommend import recommend
+    from nemo_fp8rl.audit.report import write_report
+    from nemo_fp8rl.audit.sampling import sample_responses
+    from nemo_fp8rl.audit.scoring import (
+        EngineFactory,
+        LayerSwapper,
+        calibrated_kv_scales,
+        score_engine,
+        score_train_recipe,
+    )
+    from nemo_fp8rl.fp8 import fused
+    from nemo_fp8rl.fp8.recipes import build_fp8_recipe, resolve_auto_recipe
+    from nemo_fp8rl.rollout import SamplingParams
+
+    a = check_audit_config(cfg.audit)
+    out_dir = Path(a.out or Path(cfg.output_dir) / "audit")
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+    device, dtype, gemm = _device(cfg)
+    if device.type == "cpu" and cfg.trainer.cpu_threads:
+        torch.set_num_threads(cfg.trainer.cpu_threads)
+    resolve_auto_recipe(cfg, device)
+    fused.set_compile_mode(cfg.fp8.compile)
+
+    from nemo_fp8rl.models.hf_config import resolve_model_config
+
+    configs = parse_configs(cfg, resolve_model_config(cfg.model).num_layers)  # bad names stop before any work
+    with _timed(timings, "load"):
+        model_cfg, tok, weights, prompts = _load_inputs(cfg)
+    L = model_cfg.num_layers
+    rank_cfg = _rank_target(configs, a.rank_config)
+    rank_layers = list(range(L)) if a.rank_layers is None else sorted(set(a.rank_layers))
+    bad = [i for i in rank_layers if i >= L]
+    if bad:
+        raise ConfigError(f"audit.rank_layers {bad} are not layers of the model (0..{L - 1})")
+    factory = EngineFactory(model_cfg, weights, device, dtype, gemm, build_fp8_recipe(cfg))
+    eps_low, eps_high = cfg.algorithm.eps_low, cfg.algorithm.eps_high
+
+    # 1. responses sampled at high precision; every configuration scores these tokens
+    G = a.samples_per_prompt
+    expanded = [p for p in prompts for _ in range(G)]
+    min_new = a.response_len if a.min_response_len is None else a.min_response_len
+    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                            max_new_tokens=a.response_len, stop_on_eos=True)
+    with _timed(timings, "sample"):
+        hp_engine = factory.high_precision()
+        batch = sample_responses(hp_engine, expanded, params, torch.Generator().manual_seed(cfg.seed * 1000 + 983),
+                                 min_new_tokens=min_new)
+    tokens, mask = batch.tokens, batch.mask.bool()
+    lengths = batch.prompt_lens + batch.response_lens
+    T = tokens.shape[1]
+    response_pos = torch.arange(T).unsqueeze(0) - batch.prompt_lens.unsqueeze(1)
+    temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+
+    with _timed(timings, "score_high_precision"):
+        logp_hp = score_engine(hp_engine, tokens, lengths, temperature=temp, batch=a.score_batch)
+
+    # 2. each configuration on the same tokens
+    kv_scales = None
+    logps: dict[str, torch.Tensor] = {}
+    refs: dict[str, torch.Tensor] = {}
+    notes: list[str] = []
+    shadow = None
+    rank_engine = None
+    for c in configs:
+        with _timed(timings, f"score {c.name}"):
+            if c.side == "rollout":
+                setup = c.setup(L, cfg.rollout.fp8)
+                scales = None
+                if c.calibrated:
+                    if kv_scales is None or kv_scales[0] != c.kv_cache:
+                        kv_scales = (c.kv_cache, calibrated_kv_scales(model_cfg, weights, tokens, lengths, setup,
+                                                                      device, rows=range(0, tokens.shape[0], G)))
+                    scales = kv_scales[1]
+                eng = factory.for_setup(setup, c.kv_kernel, scales)
+                logps[c.name] = score_engine(eng, tokens, lengths, temperature=temp, batch=a.score_batch)
+                refs[c.name] = logp_hp
+                if rank_cfg is not None and c.name == rank_cfg.name:
+                    rank_engine = eng
+                else:
+                    eng.close()
+            else:
+                lp, sh = score_train_recipe(cfg, model_cfg, weights, tokens, c.recipe, c.recipe_overrides,
+                                            temperature=temp)
+                logps[c.name], refs[c.name] = lp, sh
+                shadow = sh
+    if shadow is not None:
+        from nemo_fp8rl.models import destroy_distributed
+
+        destroy_distributed()
+        floor = stats.config_stats(shadow, logp_hp, mask, side="train", eps_low=eps_low, eps_high=eps_high,
+                                   response_pos=response_pos, position_buckets=a.position_buckets)
+        notes.append(f"trainer's model with FP8 off vs the rollout engine in high precision (implementation floor): "
+                     f"mean |dlogp| {floor['mean_abs_dlogp']:.2e}, pure-noise clips {floor['noise_clip']:.4f}")
+
+    # 3. statistics
+    results = []
+    for c in configs:
+        r = stats.config_stats(logps[c.name], refs[c.name], mask, side=c.side, eps_low=eps_low, eps_high=eps_high,
+                               response_pos=response_pos, position_buckets=a.position_buckets)
+        d = logps[c.name].double() - refs[c.name].double()
+        r["calibration"] = stats.calibration_bounds(
+            -d if c.side == "rollout" else d, mask, eps_low=eps_low, eps_high=eps_high, alphas=a.calib_alphas,
+            lower_min=cfg.calibration.lower_min, upper_max=cfg.calibration.upper_max)
+        results.append(r)
+
+    # 4. which layers contribute most (one layer at a time in high precision)
+    ranking: dict[str, Any] = {"config": None, "layers": []}
+    if rank_engine is not None and rank_layers:
+        with _timed(timings, "rank_layers"):
+            n = min(a.rank_sequences, tokens.shape[0])
+            sub_len = torch.minimum(lengths[:n], batch.prompt_lens[:n] + a.rank_response_len)
+            sub_tokens = tokens[:n, : int(sub_len.max())]
+            sub_mask = mask[:n, : sub_tokens.shape[1]] & (torch.arange(sub_tokens.shape[1]).unsqueeze(0) < sub_len.unsqueeze(1))
+            ref = logp_hp[:n, : sub_tokens.shape[1]]
+            swapper = LayerSwapper(rank_engine, hp_engine)
+
+            def mad(lp: torch.Tensor) -> float:
+                return float((lp.double() - ref.double())[sub_mask].abs().mean())
+
+            base = mad(score_engine(rank_engine, sub_tokens, sub_len, temperature=temp, batch=a.score_batch))
+            per_layer = {}
+            for i in rank_layers:
+                with swapper.swap(i) as eng:
+                    per_layer[i] = mad(score_engine(eng, sub_tokens, sub_len, temperature=temp, batch=a.score_batch))
+            ranking = {"config": rank_cfg.name, "sequences": n, "tokens": int(sub_mask.sum()),
+                       "base_mean_abs_dlogp": base, "layers": stats.layer_ranking(base, per_layer)}
+        rank_engine.close()
+    hp_engine.close()
+
+    rec = recommend(results, configs, max_extra_clip=a.max_extra_clip, calibrate_above=a.calibrate_above,
+                    fp8_recipe=cfg.fp8.recipe)
+    timings["total"] = round(time.perf_counter() - t_start, 2)
+    report = {
+        "command": command,
+        "model": {"name": model_cfg.name, "hf_path": model_cfg.hf_path, "num_layers": L},
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""), "fp8_gemm": gemm,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "eps_low": eps_low, "eps_high": eps_high, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+        "sequences": int(tokens.shape[0]), "prompts": len(prompts), "samples_per_prompt": G,
+        "response_len": a.response_len, "min_response_len": min_new,
+        "response_tokens": int(mask.sum()), "mean_response_len": float(batch.response_lens.float().mean()),
+        "prompt_len_mean": float(batch.prompt_lens.float().mean()),
+        "position_buckets": list(a.position_buckets),
+        "configs": [{"name": c.name, "side": c.side, "describe": c.describe(), "overrides": c.overrides(), **r}
+                    for c, r in zip(configs, results)],
+        "layer_ranking": ranking,
+        "recommendation": rec,
+        "notes": notes,
+        "timings_s": timings,
+        "sample_text": tok.decode(tokens[0, : int(lengths[0])].tolist())[:2000],
+    }
+    write_report(report, out_dir)
+    report["out_dir"] = str(out_dir)
+    return report
