@@ -149,7 +149,7 @@ def _train(name: str, base: str, cfg: Any) -> AuditConfiguration:
         recipe = cfg.fp8.recipe
         if recipe in (None, "off"):
             raise ConfigError(f"audit.configs: {name!r} audits the fp8= training recipe, but fp8=off; pass fp8=RECIPE "
-                              f"(e.g. fp8=blockwise) or name one: train:blockwise")
+                              "(e.g. fp8=blockwise) or name one: train:blockwise")
         overrides = _recipe_overrides(cfg.fp8)
     else:
         recipe = base.split(":", 1)[1]

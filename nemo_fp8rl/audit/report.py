@@ -14,10 +14,19 @@ def _f(x, fmt: str = ".4f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _rows(rep: dict) -> list[dict]:
+    """The configurations, then the recommended pair's trainer ratio (when a training recipe was audited)."""
+    p = rep["recommendation"].get("pair")
+    extra = [{**p, "name": f"pair: {p['train']} + {p['rollout']}",
+              "describe": "the trainer's ratio exp(logp_train - logp_rollout) with old_logprobs=rollout"}] if p else []
+    return list(rep["configs"]) + extra
+
+
 def markdown(rep: dict) -> str:
     """The markdown of ``audit.md`` from the report dict."""
     L0, H0 = 1 - rep["eps_low"], 1 + rep["eps_high"]
-    alphas = sorted({k for c in rep["configs"] for k in c["calibration"]["lower_at_alpha"]}, key=float)
+    rows = _rows(rep)
+    alphas = sorted({k for c in rows for k in c["calibration"]["lower_at_alpha"]}, key=float)
     lines = [
         f"# FP8 audit: {rep['model']['name']}", "",
         f"`{rep['command']}`" if rep.get("command") else "", "",
@@ -32,7 +41,7 @@ def markdown(rep: dict) -> str:
         + " | ".join(f"calib. lower at alpha {a}" for a in alphas) + " |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(alphas),
     ]
-    for c in rep["configs"]:
+    for c in rows:
         cal = c["calibration"]
         lines.append(
             f"| `{c['name']}` | {c['describe']} | {_f(c['mean_abs_dlogp'])} | {_f(c['kl'], '.2e')} | "
@@ -42,7 +51,7 @@ def markdown(rep: dict) -> str:
     buckets = [b["positions"] for b in rep["configs"][0]["by_position"]] if rep["configs"] else []
     lines += ["", "## Against response position (mean abs dlogp / pure-noise clip share)", "",
               "| configuration | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
-    for c in rep["configs"]:
+    for c in rows:
         cells = [f"{_f(b.get('mean_abs_dlogp'))} / {_f(b.get('noise_clip'))}" if b["tokens"] else "-"
                  for b in c["by_position"]]
         lines.append(f"| `{c['name']}` | " + " | ".join(cells) + " |")
@@ -52,7 +61,7 @@ def markdown(rep: dict) -> str:
     deciles = [b["p_ref"] for b in rep["configs"][0]["by_prob_decile"]] if rep["configs"] else []
     lines += ["", "## Pure-noise clip share by the token's high-precision probability", "",
               "| configuration | " + " | ".join(deciles) + " |", "|---|" + "---:|" * len(deciles)]
-    for c in rep["configs"]:
+    for c in rows:
         lines.append(f"| `{c['name']}` | " + " | ".join(_f(b.get("noise_clip")) if b["tokens"] else "-"
                                                        for b in c["by_prob_decile"]) + " |")
     if rep["configs"]:
@@ -81,7 +90,7 @@ def _figure(rep: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(2, 2, figsize=(13, 9))
-    for c in rep["configs"]:
+    for c in _rows(rep):
         pos = [b for b in c["by_position"] if b["tokens"]]
         x = [b["positions"] for b in pos]
         ax[0, 0].plot(x, [b["mean_abs_dlogp"] for b in pos], marker="o", label=c["name"])

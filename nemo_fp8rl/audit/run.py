@@ -186,7 +186,7 @@ def run_audit(cfg: Any, command: str = "") -> dict:
         destroy_distributed()
         floor = stats.config_stats(shadow, logp_hp, mask, side="train", eps_low=eps_low, eps_high=eps_high,
                                    response_pos=response_pos, position_buckets=a.position_buckets)
-        notes.append(f"trainer's model with FP8 off vs the rollout engine in high precision (implementation floor): "
+        notes.append("trainer's model with FP8 off vs the rollout engine in high precision (implementation floor): "
                      f"mean |dlogp| {floor['mean_abs_dlogp']:.2e}, pure-noise clips {floor['noise_clip']:.4f}")
 
     # 3. statistics
@@ -224,8 +224,19 @@ def run_audit(cfg: Any, command: str = "") -> dict:
         rank_engine.close()
     hp_engine.close()
 
+    def pair(train_name: str, rollout_name: str) -> dict:
+        """The trainer's ratio with old_logprobs=rollout and no policy change, exp(logp_train - logp_rollout),
+        with each side's implementation floor removed: d = (train - its shadow) - (rollout - high precision)."""
+        d = (logps[train_name] - refs[train_name]) - (logps[rollout_name] - logp_hp)
+        r = stats.config_stats(logp_hp + d, logp_hp, mask, side="train", eps_low=eps_low, eps_high=eps_high,
+                               response_pos=response_pos, position_buckets=a.position_buckets)
+        r["calibration"] = stats.calibration_bounds(d, mask, eps_low=eps_low, eps_high=eps_high, alphas=a.calib_alphas,
+                                                    lower_min=cfg.calibration.lower_min,
+                                                    upper_max=cfg.calibration.upper_max)
+        return {"train": train_name, "rollout": rollout_name, **r}
+
     rec = recommend(results, configs, max_extra_clip=a.max_extra_clip, calibrate_above=a.calibrate_above,
-                    fp8_recipe=cfg.fp8.recipe)
+                    fp8_recipe=cfg.fp8.recipe, pair=pair)
     timings["total"] = round(time.perf_counter() - t_start, 2)
     report = {
         "command": command,

@@ -27,8 +27,9 @@ class AuditConfig:
     """FP8 configurations to compare against high precision (names in nemo_fp8rl/audit/configs.py, e.g.
     [linear,kv_static,kv_calibrated,kv_calibrated+edge,train:blockwise]); null = that rollout ladder, plus
     `train` (the fp8= recipe through the trainer's model) when fp8 is not off."""
-    prompts: int = 8
-    """Prompts drawn from the task (or the first N lines of audit.prompts_file)."""
+    prompts: int = 6
+    """Prompts drawn from the task (or the first N lines of audit.prompts_file); 6 x 512 tokens keep
+    model=smollm2_135m under 10 minutes on 2 CPU cores shared with other work."""
     samples_per_prompt: int = 1
     """Responses sampled per prompt."""
     prompts_file: Optional[str] = None

@@ -71,6 +71,8 @@ def test_cli_writes_md_png_json_and_the_recommendation(report):
     line = rep["recommendation"]["line"]
     assert line.startswith("nemo-fp8rl-train fp8=tensorwise rollout.fp8.scheme=") and f"recommended: {line}" in r.stdout
     assert "## Recommendation" in md and line in md
+    pair = rep["recommendation"]["pair"]  # the trainer's ratio of the recommended pair, both sides' noise
+    assert pair["train"] == "train:tensorwise" and pair["tokens"] == 48 and "| `pair: train:tensorwise + " in md
 
 
 @pytest.mark.parametrize("override, match", [

@@ -95,3 +95,10 @@ def test_recommendation_rule():
     assert rec["overrides"][0] == "fp8=tensorwise" and rec["overrides"][-1] == "calibration=paper"
     rec = recommend(res, cs, max_extra_clip=0.0, calibrate_above=0.01, fp8_recipe="tensorwise")
     assert rec["rollout"] == "linear" and rec["overrides"][-1] == "calibration=off"
+    # with a training recipe audited, calibration follows the chosen pair's ratio (both sides' noise)
+    rec = recommend(res, cs, max_extra_clip=0.005, calibrate_above=0.001, fp8_recipe="tensorwise",
+                    pair=lambda t, r: {"train": t, "rollout": r, "noise_clip_low": 0.0005})
+    assert rec["pair"]["rollout"] == "kv_calibrated" and rec["overrides"][-1] == "calibration=off"
+    # fp8=off and no recipe audited: the rollout's FP8 needs training FP8, so fp8=auto leads the line
+    rec = recommend(res[:4], cs[:4], max_extra_clip=0.005, calibrate_above=0.001, fp8_recipe=None)
+    assert rec["overrides"][0] == "fp8=auto" and rec["train"] is None
