@@ -86,8 +86,11 @@ def _rank_target(configs: list[AuditConfiguration], name: Any) -> AuditConfigura
                 return c
         raise ConfigError(f"audit.rank_config={name!r} is not in audit.configs {[c.name for c in configs]}; name one "
                           "of them or null")
-    plain = [c for c in roll if not any(c.edge)]
-    return (plain or roll or [None])[-1]
+    plain = [c for c in roll if not any(c.edge)] or roll
+    if not plain:
+        return None
+    most = max(c.fp8_amount() for c in plain)  # the fullest FP8 rollout without edge layers; the last of ties
+    return [c for c in plain if c.fp8_amount() == most][-1]
 
 
 def run_audit(cfg: Any, command: str = "") -> dict:
@@ -116,7 +119,11 @@ def run_audit(cfg: Any, command: str = "") -> dict:
     if device.type == "cpu" and cfg.trainer.cpu_threads:
         torch.set_num_threads(cfg.trainer.cpu_threads)
     resolve_auto_recipe(cfg, device)
-    fused.set_compile_mode(cfg.fp8.compile)
+    compile_mode = str(cfg.fp8.compile).lower()
+    if device.type == "cpu" and compile_mode == "auto":
+        # two forwards per training recipe: Inductor's C++ compile would cost more than it saves (bit-equal)
+        compile_mode = "false"
+    fused.set_compile_mode(compile_mode)
 
     from nemo_fp8rl.models.hf_config import resolve_model_config
 

@@ -46,8 +46,8 @@ class AuditConfig:
     position_buckets: List[int] = field(default_factory=lambda: [0, 32, 64, 128, 256, 512])
     """Response-position bucket starts for mismatch against length (the last bucket is open-ended)."""
     rank_config: Optional[str] = None
-    """Configuration whose layers are ranked (one layer at a time in high precision); null = the last
-    rollout configuration without edge layers."""
+    """Configuration whose layers are ranked (one layer at a time in high precision); null = the rollout
+    configuration with the most in FP8 and no edge layers (the last of ties, e.g. kv_calibrated)."""
     rank_layers: Optional[List[int]] = None
     """Decoder layers to rank; null = all; [] = no ranking."""
     rank_sequences: int = 2

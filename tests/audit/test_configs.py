@@ -102,3 +102,19 @@ def test_recommendation_rule():
     # fp8=off and no recipe audited: the rollout's FP8 needs training FP8, so fp8=auto leads the line
     rec = recommend(res[:4], cs[:4], max_extra_clip=0.005, calibrate_above=0.001, fp8_recipe=None)
     assert rec["overrides"][0] == "fp8=auto" and rec["train"] is None
+
+
+def test_layer_ranking_target():
+    """Default: the rollout configuration with the most in FP8 and no edge layers (the last of ties)."""
+    from nemo_fp8rl.audit.run import _rank_target
+
+    cfg = _cfg()
+    cs = [parse_config(n, cfg, 30) for n in ("linear", "kv_static", "kv_calibrated+edge", "kvonly_static",
+                                             "kv_calibrated", "train:blockwise")]
+    assert _rank_target(cs, None).name == "kv_calibrated"
+    assert _rank_target(cs, "linear").name == "linear"
+    with pytest.raises(ConfigError, match="audit.rank_config='train:blockwise' is a training configuration"):
+        _rank_target(cs, "train:blockwise")
+    with pytest.raises(ConfigError, match=r"audit.rank_config='nope' is not in audit.configs"):
+        _rank_target(cs, "nope")
+    assert _rank_target(cs[-1:], None) is None
