@@ -93,6 +93,35 @@ def _rank_target(configs: list[AuditConfiguration], name: Any) -> AuditConfigura
     return [c for c in plain if c.fp8_amount() == most][-1]
 
 
+def _rank_layers(engine: Any, hp_engine: Any, tokens: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor,
+                 prompt_lens: torch.Tensor, logp_hp: torch.Tensor, layers: list[int], a: Any, temp: float,
+                 name: str) -> dict:
+    """Mean |dlogp| of ``engine`` with each of ``layers`` alone in high precision, on the first
+    ``audit.rank_sequences`` sequences cut to ``audit.rank_response_len`` response tokens."""
+    from nemo_fp8rl.audit import stats
+    from nemo_fp8rl.audit.scoring import LayerSwapper, score_engine
+
+    n = min(a.rank_sequences, tokens.shape[0])
+    sub_len = torch.minimum(lengths[:n], prompt_lens[:n] + a.rank_response_len)
+    width = int(sub_len.max())
+    sub_tokens = tokens[:n, :width]
+    sub_mask = mask[:n, :width] & (torch.arange(width).unsqueeze(0) < sub_len.unsqueeze(1))
+    ref = logp_hp[:n, :width].double()
+
+    def mad(eng: Any) -> float:
+        lp = score_engine(eng, sub_tokens, sub_len, temperature=temp, batch=a.score_batch)
+        return float((lp.double() - ref)[sub_mask].abs().mean())
+
+    base = mad(engine)
+    swapper = LayerSwapper(engine, hp_engine)
+    per_layer = {}
+    for i in layers:
+        with swapper.swap(i) as eng:
+            per_layer[i] = mad(eng)
+    return {"config": name, "sequences": n, "tokens": int(sub_mask.sum()), "base_mean_abs_dlogp": base,
+            "layers": stats.layer_ranking(base, per_layer)}
+
+
 def run_audit(cfg: Any, command: str = "") -> dict:
     """Run the audit of ``cfg`` (an :class:`~nemo_fp8rl.audit.settings.AuditRunConfig`, validated) and write
     its report; returns the report's dict (what ``audit.json`` holds)."""
@@ -100,13 +129,7 @@ def run_audit(cfg: Any, command: str = "") -> dict:
     from nemo_fp8rl.audit.recommend import recommend
     from nemo_fp8rl.audit.report import write_report
     from nemo_fp8rl.audit.sampling import sample_responses
-    from nemo_fp8rl.audit.scoring import (
-        EngineFactory,
-        LayerSwapper,
-        calibrated_kv_scales,
-        score_engine,
-        score_train_recipe,
-    )
+    from nemo_fp8rl.audit.scoring import EngineFactory, calibrated_kv_scales, score_engine, score_train_recipe
     from nemo_fp8rl.fp8 import fused
     from nemo_fp8rl.fp8.recipes import build_fp8_recipe, resolve_auto_recipe
     from nemo_fp8rl.rollout import SamplingParams
@@ -158,35 +181,38 @@ def run_audit(cfg: Any, command: str = "") -> dict:
     with _timed(timings, "score_high_precision"):
         logp_hp = score_engine(hp_engine, tokens, lengths, temperature=temp, batch=a.score_batch)
 
-    # 2. each configuration on the same tokens
+    # 2. each configuration on the same tokens: the rollout ones (and the layer ranking, while the
+    #    high-precision engine is up), then the training recipes, whose models need the memory the engines held
     kv_scales = None
     logps: dict[str, torch.Tensor] = {}
     refs: dict[str, torch.Tensor] = {}
     notes: list[str] = []
-    shadow = None
-    rank_engine = None
-    for c in configs:
+    ranking: dict[str, Any] = {"config": None, "layers": []}
+    for c in (c for c in configs if c.side == "rollout"):
         with _timed(timings, f"score {c.name}"):
-            if c.side == "rollout":
-                setup = c.setup(L, cfg.rollout.fp8)
-                scales = None
-                if c.calibrated:
-                    if kv_scales is None or kv_scales[0] != c.kv_cache:
-                        kv_scales = (c.kv_cache, calibrated_kv_scales(model_cfg, weights, tokens, lengths, setup,
-                                                                      device, rows=range(0, tokens.shape[0], G)))
-                    scales = kv_scales[1]
-                eng = factory.for_setup(setup, c.kv_kernel, scales)
-                logps[c.name] = score_engine(eng, tokens, lengths, temperature=temp, batch=a.score_batch)
-                refs[c.name] = logp_hp
-                if rank_cfg is not None and c.name == rank_cfg.name:
-                    rank_engine = eng
-                else:
-                    eng.close()
-            else:
-                lp, sh = score_train_recipe(cfg, model_cfg, weights, tokens, c.recipe, c.recipe_overrides,
-                                            temperature=temp)
-                logps[c.name], refs[c.name] = lp, sh
-                shadow = sh
+            setup = c.setup(L, cfg.rollout.fp8)
+            scales = None
+            if c.calibrated:
+                if kv_scales is None or kv_scales[0] != c.kv_cache:
+                    kv_scales = (c.kv_cache, calibrated_kv_scales(model_cfg, weights, tokens, lengths, setup, device,
+                                                                  rows=range(0, tokens.shape[0], G)))
+                scales = kv_scales[1]
+            eng = factory.for_setup(setup, c.kv_kernel, scales)
+            logps[c.name] = score_engine(eng, tokens, lengths, temperature=temp, batch=a.score_batch)
+            refs[c.name] = logp_hp
+        if rank_cfg is not None and c.name == rank_cfg.name and rank_layers:
+            # 3. which layers contribute most (one layer at a time in high precision)
+            with _timed(timings, "rank_layers"):
+                ranking = _rank_layers(eng, hp_engine, tokens, lengths, mask, batch.prompt_lens, logp_hp, rank_layers,
+                                       a, temp, rank_cfg.name)
+        eng.close()
+    hp_engine.close()
+    shadow = None
+    for c in (c for c in configs if c.side == "train"):
+        with _timed(timings, f"score {c.name}"):
+            lp, sh = score_train_recipe(cfg, model_cfg, weights, tokens, c.recipe, c.recipe_overrides, temperature=temp)
+            logps[c.name], refs[c.name] = lp, sh
+            shadow = sh
     if shadow is not None:
         from nemo_fp8rl.models import destroy_distributed
 
@@ -196,7 +222,7 @@ def run_audit(cfg: Any, command: str = "") -> dict:
         notes.append("trainer's model with FP8 off vs the rollout engine in high precision (implementation floor): "
                      f"mean |dlogp| {floor['mean_abs_dlogp']:.2e}, pure-noise clips {floor['noise_clip']:.4f}")
 
-    # 3. statistics
+    # 4. statistics
     results = []
     for c in configs:
         r = stats.config_stats(logps[c.name], refs[c.name], mask, side=c.side, eps_low=eps_low, eps_high=eps_high,
@@ -206,30 +232,6 @@ def run_audit(cfg: Any, command: str = "") -> dict:
             -d if c.side == "rollout" else d, mask, eps_low=eps_low, eps_high=eps_high, alphas=a.calib_alphas,
             lower_min=cfg.calibration.lower_min, upper_max=cfg.calibration.upper_max)
         results.append(r)
-
-    # 4. which layers contribute most (one layer at a time in high precision)
-    ranking: dict[str, Any] = {"config": None, "layers": []}
-    if rank_engine is not None and rank_layers:
-        with _timed(timings, "rank_layers"):
-            n = min(a.rank_sequences, tokens.shape[0])
-            sub_len = torch.minimum(lengths[:n], batch.prompt_lens[:n] + a.rank_response_len)
-            sub_tokens = tokens[:n, : int(sub_len.max())]
-            sub_mask = mask[:n, : sub_tokens.shape[1]] & (torch.arange(sub_tokens.shape[1]).unsqueeze(0) < sub_len.unsqueeze(1))
-            ref = logp_hp[:n, : sub_tokens.shape[1]]
-            swapper = LayerSwapper(rank_engine, hp_engine)
-
-            def mad(lp: torch.Tensor) -> float:
-                return float((lp.double() - ref.double())[sub_mask].abs().mean())
-
-            base = mad(score_engine(rank_engine, sub_tokens, sub_len, temperature=temp, batch=a.score_batch))
-            per_layer = {}
-            for i in rank_layers:
-                with swapper.swap(i) as eng:
-                    per_layer[i] = mad(score_engine(eng, sub_tokens, sub_len, temperature=temp, batch=a.score_batch))
-            ranking = {"config": rank_cfg.name, "sequences": n, "tokens": int(sub_mask.sum()),
-                       "base_mean_abs_dlogp": base, "layers": stats.layer_ranking(base, per_layer)}
-        rank_engine.close()
-    hp_engine.close()
 
     def pair(train_name: str, rollout_name: str) -> dict:
         """The trainer's ratio with old_logprobs=rollout and no policy change, exp(logp_train - logp_rollout),
