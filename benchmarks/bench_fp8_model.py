@@ -1,6 +1,6 @@
 """Model-level FP8 emulation cost: forward+backward of SmolLM2-135M on one fixed batch, BF16 vs each recipe.
 
-Every arm is its own copy of the same weights (transformers' Llama, float32 on the CPU): the
+Every arm is its own module tree over the same weight tensors (transformers' Llama, float32 on the CPU): the
 unconverted model, and the model after ``convert_to_fp8(recipe)`` with the fused quantizer
 (``fp8.compile=true``) and, for comparison, the eager one (``fp8.compile=false``). The arms run
 interleaved, round after round (A, B, C, A, B, C, ...), so machine load affects them alike; the table
@@ -66,14 +66,15 @@ def main() -> None:
     arms = {"unconverted": (base, "false")}
     for name in args.recipes.split(","):
         for mode in modes:
-            m = convert_to_fp8(copy.deepcopy(base), get_recipe(name))
+            # a new module tree over the same parameter tensors (memory: one model, not one per arm)
+            m = convert_to_fp8(copy.deepcopy(base, memo={id(p): p for p in base.parameters()}), get_recipe(name))
             arms[f"{name} ({'fused' if mode == 'true' else 'eager'})"] = (m, mode)
 
     def step(model, mode):
         with fused.compile_mode_set(mode):
-            model.zero_grad(set_to_none=True)
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
+            model.zero_grad(set_to_none=True)  # the arms share the parameters: free the grads each time
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}, "
           f"batch {args.batch}x{args.seq}, rounds {args.rounds} (+1 warm-up, compiles included there)")

@@ -136,3 +136,28 @@ def reference_kernel(calls, exact_output: bool = False, check: bool = True):
             c = c + bias.double()
         return c.to(torch.float32 if exact_output else out_dtype)
     return kernel
+
+
+def cuda_meta_check(calls) -> None:
+    """Run torch's own CUDA shape/stride checks of ``_scaled_mm_v2`` (its meta registration, with the device
+    taken as CUDA) on recorded kernel calls ``(mat_a, mat_b, scale_a, kind_a, scale_b, kind_b, out_dtype,
+    fast_accum, bias)``; skips the test on a torch without that registration."""
+    import pytest
+
+    meta = pytest.importorskip("torch._meta_registrations")
+    fn = getattr(meta, "meta_scaled_mm_v2", None)
+    if fn is None:
+        pytest.skip("this torch has no meta registration of _scaled_mm_v2")
+
+    def on_meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    orig = meta.device_hint
+    meta.device_hint = lambda t: "cuda"
+    try:
+        for mat_a, mat_b, sa, ka, sb, kb, od, fast, bias in calls:
+            out = fn(on_meta(mat_a), on_meta(mat_b), [on_meta(sa)], [ka.value], [], [on_meta(sb)], [kb.value], [],
+                     None if bias is None else on_meta(bias), od, [], fast)
+            assert out.shape == (mat_a.shape[0], mat_b.shape[1])
+    finally:
+        meta.device_hint = orig

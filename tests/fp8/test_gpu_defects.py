@@ -28,7 +28,7 @@ from nemo_fp8rl.fp8 import backends, torch_linear
 from nemo_fp8rl.fp8.backends import QuantizedOperand, gemm_error_bound, scaled_mm_args
 from nemo_fp8rl.fp8.torch_linear import quantize_operand_fp8
 
-from tests._scaled_mm_reference import check_scaled_mm, reference_kernel
+from tests._scaled_mm_reference import check_scaled_mm, cuda_meta_check, reference_kernel
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.nn.functional, "ScalingType"),
                                 reason="this torch has no torch.nn.functional.ScalingType")
@@ -68,27 +68,6 @@ def _assert_gemm(got, want, a_hat, b_hat, got_dtype, what):
     bound = gemm_error_bound(a_hat, b_hat, torch.float32) + gemm_error_bound(a_hat, b_hat, got_dtype)
     diff = (got.double() - want.double()).abs()
     assert bool((diff <= bound).all()), (what, float((diff - bound).max()))
-
-
-def _cuda_meta_check(calls):
-    """torch's own CUDA shape/stride checks of ``_scaled_mm_v2`` (its meta registration, device taken as CUDA)."""
-    meta = pytest.importorskip("torch._meta_registrations")
-    fn = getattr(meta, "meta_scaled_mm_v2", None)
-    if fn is None:
-        pytest.skip("this torch has no meta registration of _scaled_mm_v2")
-
-    def on_meta(t):
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-    orig = meta.device_hint
-    meta.device_hint = lambda t: "cuda"
-    try:
-        for mat_a, mat_b, sa, ka, sb, kb, od, fast, bias in calls:
-            out = fn(on_meta(mat_a), on_meta(mat_b), [on_meta(sa)], [ka.value], [], [on_meta(sb)], [kb.value], [],
-                     None if bias is None else on_meta(bias), od, [], fast)
-            assert out.shape == (mat_a.shape[0], mat_b.shape[1])
-    finally:
-        meta.device_hint = orig
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,7 +126,7 @@ def test_blockwise_hybrid_never_hands_the_kernel_an_e5m2_block_gemm(dtype, monke
     # float32 product in the model dtype; wgrad: float32
     for i, (what, out_dtype) in enumerate((("y", calls[0][6]), ("dx", dtype), ("dw", torch.float32))):
         _assert_gemm(got[i], want[i], *hats[what], out_dtype, what)
-    _cuda_meta_check(calls)
+    cuda_meta_check(calls)
 
 
 def test_kernel_refusal_rules():
@@ -277,7 +256,7 @@ def test_bf16_layer_stays_bf16_outside_the_gemm(name, fmt, monkeypatch):
     _assert_gemm(dx, want[1], *hats["dx"], torch.bfloat16, "dx")
     assert db.dtype == torch.bfloat16 and torch.equal(db, want[3])
     if not block:
-        _cuda_meta_check(calls)
+        cuda_meta_check(calls)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,7 +278,7 @@ def test_1x128_rows_padded_to_a_multiple_of_4(m, monkeypatch):
         assert mat_a.shape[0] == m4 and sa.shape == (m4, 2) and sa.stride() == (1, m4)
         assert not bool(mat_a[m:].float().abs().sum())  # padded rows are zeros
     assert got[0].shape == (m, 256) and got[1].shape == (m, 256)
-    _cuda_meta_check(calls)
+    cuda_meta_check(calls)
     want = _step(recipe, "emulate", x, w, gy)
     hats = _hats(recipe, x, w, gy)
     for i, what in enumerate(("y", "dx", "dw")):

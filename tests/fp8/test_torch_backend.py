@@ -25,7 +25,7 @@ from nemo_fp8rl.fp8.backends import (
 )
 from nemo_fp8rl.fp8.torch_linear import quantize_operand_fp8
 
-from tests._scaled_mm_reference import reference_kernel
+from tests._scaled_mm_reference import cuda_meta_check, reference_kernel
 
 
 def _grads(recipe, backend, x, w, b, gys, state=None):
@@ -144,28 +144,7 @@ def test_scaled_mm_layouts_against_reference_kernel(name, fmt, monkeypatch):
         bound = gemm_error_bound(a_hat, b_hat, torch.float32) + gemm_error_bound(a_hat, b_hat, od)
         diff = (e.double() - t.double()).abs()
         assert bool((diff <= bound).all()), (name, fmt, what, float((diff - bound).max()))
-    _check_cuda_meta(calls)
-
-
-def _check_cuda_meta(calls):
-    """torch's CUDA checks of ``_scaled_mm_v2`` (its meta registration, with the device taken as CUDA)."""
-    meta = pytest.importorskip("torch._meta_registrations")
-    fn = getattr(meta, "meta_scaled_mm_v2", None)
-    if fn is None:
-        pytest.skip("this torch has no meta registration of _scaled_mm_v2")
-
-    def on_meta(t):
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-    orig = meta.device_hint
-    meta.device_hint = lambda t: "cuda"
-    try:
-        for mat_a, mat_b, sa, ka, sb, kb, od, fast, bias in calls:
-            out = fn(on_meta(mat_a), on_meta(mat_b), [on_meta(sa)], [ka.value], [], [on_meta(sb)], [kb.value], [],
-                     None if bias is None else on_meta(bias), od, [], fast)
-            assert out.shape == (mat_a.shape[0], mat_b.shape[1])
-    finally:
-        meta.device_hint = orig
+    cuda_meta_check(calls)
 
 
 def test_meta_check_rejects_a_wrong_layout():
@@ -179,10 +158,10 @@ def test_meta_check_rejects_a_wrong_layout():
     mat_a, mat_b, sa, sb = scaled_mm_args(a, b)
     st = torch.nn.functional.ScalingType
     good = [(mat_a, mat_b, sa, st.BlockWise1x128, sb, st.BlockWise128x128, torch.bfloat16, False, None)]
-    _check_cuda_meta(good)
+    cuda_meta_check(good)
     bad = [(mat_a, mat_b, sa.contiguous(), st.BlockWise1x128, sb, st.BlockWise128x128, torch.bfloat16, False, None)]
     with pytest.raises(RuntimeError):
-        _check_cuda_meta(bad)
+        cuda_meta_check(bad)
 
 
 # ------------------------------------------------------------------------------------------------
