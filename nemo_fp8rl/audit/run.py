@@ -75,6 +75,18 @@ def _device(cfg: Any) -> tuple[torch.device, torch.dtype, str]:
     return torch.device("cpu"), torch.float32, "emulate"
 
 
+def engine_factory(cfg: Any, model_cfg: Any, weights: Any, tok: Any, device: torch.device, dtype: torch.dtype,
+                   gemm: str) -> Any:
+    """The audit's :class:`~nemo_fp8rl.audit.scoring.EngineFactory`: the tokenizer's end ids (where a response
+    ends, and what sampling suppresses before ``audit.min_response_len``) and padding id, the training recipe
+    for ``same_as_train``."""
+    from nemo_fp8rl.audit.scoring import EngineFactory
+    from nemo_fp8rl.fp8.recipes import build_fp8_recipe
+
+    return EngineFactory(model_cfg, weights, device, dtype, gemm, build_fp8_recipe(cfg), eos_id=tok.eos_id,
+                         eos_ids=getattr(tok, "eos_ids", None), pad_id=tok.pad_id)
+
+
 def _rank_target(configs: list[AuditConfiguration], name: Any) -> AuditConfiguration | None:
     roll = [c for c in configs if c.side == "rollout"]
     if name is not None:
@@ -129,9 +141,9 @@ def run_audit(cfg: Any, command: str = "") -> dict:
     from nemo_fp8rl.audit.recommend import recommend
     from nemo_fp8rl.audit.report import write_report
     from nemo_fp8rl.audit.sampling import sample_responses
-    from nemo_fp8rl.audit.scoring import EngineFactory, calibrated_kv_scales, score_engine, score_train_recipe
+    from nemo_fp8rl.audit.scoring import calibrated_kv_scales, score_engine, score_train_recipe
     from nemo_fp8rl.fp8 import fused
-    from nemo_fp8rl.fp8.recipes import build_fp8_recipe, resolve_auto_recipe
+    from nemo_fp8rl.fp8.recipes import resolve_auto_recipe
     from nemo_fp8rl.rollout import SamplingParams
 
     a = check_audit_config(cfg.audit)
@@ -159,7 +171,7 @@ def run_audit(cfg: Any, command: str = "") -> dict:
     bad = [i for i in rank_layers if i >= L]
     if bad:
         raise ConfigError(f"audit.rank_layers {bad} are not layers of the model (0..{L - 1})")
-    factory = EngineFactory(model_cfg, weights, device, dtype, gemm, build_fp8_recipe(cfg))
+    factory = engine_factory(cfg, model_cfg, weights, tok, device, dtype, gemm)
     eps_low, eps_high = cfg.algorithm.eps_low, cfg.algorithm.eps_high
 
     # 1. responses sampled at high precision; every configuration scores these tokens
@@ -264,7 +276,9 @@ def run_audit(cfg: Any, command: str = "") -> dict:
         "recommendation": rec,
         "notes": notes,
         "timings_s": timings,
-        "sample_text": tok.decode(tokens[0, : int(lengths[0])].tolist())[:2000],
+        "eos_ids": list(factory.eos_ids or [factory.eos_id]),
+        "first_prompt": tok.decode(tokens[0, : int(batch.prompt_lens[0])].tolist()),
+        "first_response": tok.decode(tokens[0, int(batch.prompt_lens[0]): int(lengths[0])].tolist())[:3000],
     }
     write_report(report, out_dir)
     report["out_dir"] = str(out_dir)

@@ -26,7 +26,8 @@ __all__ = ["EngineFactory", "LayerSwapper", "calibrated_kv_scales", "score_engin
 @dataclasses.dataclass
 class EngineFactory:
     """Builds torch rollout engines over the audited weights: ``device``, ``dtype``, ``fp8_gemm``
-    (``emulate`` | ``torch``), the training recipe for ``same_as_train``, the KV cache writer."""
+    (``emulate`` | ``torch``), the training recipe for ``same_as_train``, the tokenizer's end and padding ids
+    (where sampling stops, and which ids :func:`~nemo_fp8rl.audit.sampling.sample_responses` suppresses)."""
 
     model_cfg: Any
     weights: Any
@@ -34,13 +35,16 @@ class EngineFactory:
     dtype: torch.dtype
     fp8_gemm: str = "emulate"
     train_recipe: Any = None
+    eos_id: int = 0
+    eos_ids: Optional[Sequence[int]] = None
+    pad_id: int = 0
 
     def build(self, scheme: str = "off", kv_cache: str = "off", kv_kernel: str = "cuda",
               high_precision_layers: Iterable[int] = (), kv_scales: Any = None):
         from nemo_fp8rl.rollout.torch_engine import TorchRolloutEngine
 
-        eng = TorchRolloutEngine(self.model_cfg, fp8_scheme=scheme, train_recipe=self.train_recipe, eos_id=0, pad_id=0,
-                                 device=self.device, dtype=self.dtype, fp8_gemm=self.fp8_gemm, kv_cache=kv_cache,
+        eng = TorchRolloutEngine(self.model_cfg, fp8_scheme=scheme, train_recipe=self.train_recipe, eos_id=self.eos_id,
+                                 eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, dtype=self.dtype, fp8_gemm=self.fp8_gemm, kv_cache=kv_cache,
                                  kv_kernel=kv_kernel, high_precision_layers=tuple(high_precision_layers))
         eng.update_weights(self.weights, kv_scales=kv_scales)
         return eng

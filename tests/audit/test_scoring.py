@@ -88,3 +88,19 @@ def test_sampling_without_suppression_is_the_engines_and_suppression_reaches_the
     assert c.response_lens.tolist() == [12, 12, 12]
     resp = c.tokens[c.mask.bool()]
     assert not (resp == first).any()
+
+
+def test_the_audit_samples_with_the_tokenizers_end_ids(factory):
+    """The engines stop at (and sampling suppresses) the tokenizer's EOS ids, not a placeholder id."""
+    from types import SimpleNamespace
+
+    from nemo_fp8rl.audit.run import engine_factory
+    from nemo_fp8rl.audit.settings import AuditRunConfig
+
+    tok = SimpleNamespace(eos_id=7, eos_ids=(7, 9), pad_id=5)
+    f = engine_factory(AuditRunConfig(), CFG, factory.weights, tok, torch.device("cpu"), torch.float32, "emulate")
+    eng = f.high_precision()
+    assert (eng.eos_id, eng.eos_ids, eng.pad_id) == (7, (7, 9), 5)
+    out = sample_responses(eng, [[1, 2, 3]] * 4, SamplingParams(max_new_tokens=30), torch.Generator().manual_seed(0),
+                           min_new_tokens=30)
+    assert out.response_lens.tolist() == [30] * 4 and not torch.isin(out.tokens[out.mask.bool()], torch.tensor([7, 9])).any()
