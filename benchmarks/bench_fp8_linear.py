@@ -47,7 +47,7 @@ Target: our overhead no worse than torchao's emulation for the recipes both impl
 
     python benchmarks/bench_fp8_linear.py [--tokens 4096] [--shapes q/o=4096x4096,...] [--repeats 3]
         [--threads 1] [--recipes tensorwise,...] [--compile both|true|false] [--dtype float32|bfloat16]
-        [--linear-shapes 512x256x256,...] [--skip-linear] [--quick]
+        [--linear-shapes 512x256x256,...] [--skip-linear | --skip-quantizer] [--quick]
 
 Defaults: M = 4096 tokens only. The default run needs about 9 minutes of CPU time at ``--threads 1``
 (13 minutes wall next to another benchmark on 2 cores; 2-2.5 minutes are Inductor compiles, one per
@@ -461,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--linear-shapes", default=None,
                     help=f"forward+backward shapes MxKxN, comma-separated (default {DEFAULT_LINEAR})")
     ap.add_argument("--skip-linear", action="store_true", help="quantizer tables only")
+    ap.add_argument("--skip-quantizer", action="store_true", help="forward+backward table only")
     ap.add_argument("--quick", action="store_true", help=f"tiny shapes for a smoke run: {QUICK_SHAPES}, M=64, "
                                                           f"linear {QUICK_LINEAR}")
     return ap
@@ -499,7 +500,7 @@ def run(args: argparse.Namespace) -> None:
         fresh = fresh_cache()  # every compile counted (a cache hit would replay a count taken without the logger)
     with fresh, (_inductor_byte_count() if "true" in modes else contextlib.nullcontext()):
         all_rows: List[Row] = []
-        for m in tokens:
+        for m in tokens if not args.skip_quantizer else ():
             rows: List[Row] = []
             print(f"\noperands at M = {m}: " + "; ".join(f"{o.label} ({', '.join(o.layers)})" for o in operands(layers, m)))
             ops = operands(layers, m)
@@ -510,8 +511,9 @@ def run(args: argparse.Namespace) -> None:
             for output in OUTPUTS:
                 print_quantizer_table(rows, output, m)
             all_rows += rows
-        print_target_summary(all_rows, recipes)
-        if "true" in modes:
+        if all_rows:
+            print_target_summary(all_rows, recipes)
+        if "true" in modes and all_rows:
             print(f"\nfused: {len(graph.per_key)} configurations compiled in {graph.compile_s:.0f} s (first calls)")
             if fused.compile_unavailable():
                 print(f"note: compile unavailable ({fused.compile_unavailable()}): fused columns ran eager, bytes '-'")
