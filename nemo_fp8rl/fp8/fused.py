@@ -44,6 +44,7 @@ import types
 from typing import Callable, Dict, Hashable, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,10 @@ def wants_compile(x: torch.Tensor, size_hint: Optional[int] = None) -> bool:
     """
     mode = _state["mode"]
     if mode == "false" or _state["broken"] is not None:
+        return False
+    if _get_current_dispatch_mode() is not None:
+        # a TorchDispatchMode (FlopCounterMode, a byte counter, fake tensors) sees the eager ops; dynamo
+        # skips such frames, and that error must not read as "compile unavailable" for the whole process
         return False
     if mode == "true" or x.is_cuda:
         return True

@@ -267,3 +267,17 @@ def test_forward_fast_accumulation_is_the_real_backends_default():
     default = Fp8Linear.from_linear(lin, get_recipe("tensorwise"))(x)
     exact = Fp8Linear.from_linear(lin, get_recipe("tensorwise", accumulation="fp32"))(x)
     assert torch.equal(default, exact)
+
+
+def test_a_dispatch_mode_runs_eager_without_disabling_compile():
+    """Inside a TorchDispatchMode (here torch's FlopCounterMode) the quantizer runs its eager ops, and the
+    fused path stays available afterwards."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(64, 64)
+    with _mode("false"):
+        ref = fake_quantize(x, "e4m3")
+    with _mode("true"):
+        with FlopCounterMode(display=False):
+            assert _same(fake_quantize(x, "e4m3"), ref)
+        assert fused.compile_unavailable() is None and fused.wants_compile(x)
