@@ -32,7 +32,7 @@ def markdown(rep: dict) -> str:
         f"`{rep['command']}`" if rep.get("command") else "", "",
         f"{rep['sequences']} sequences ({rep['prompts']} prompts x {rep['samples_per_prompt']}), "
         f"{rep['response_tokens']} response tokens (mean response {rep['mean_response_len']:.0f} tokens, "
-        f"EOS suppressed for the first {rep['min_response_len']}), sampled at high precision "
+        f"audit.eos={rep['eos']}), sampled at high precision "
         f"(temperature {rep['temperature']}, top-p {rep['top_p']}); {rep['device']} {rep['dtype']}, FP8 GEMMs "
         f"{rep['fp8_gemm']}; clip range [{L0:g}, {H0:g}]. Total {rep['timings_s']['total']:.0f} s.", "",
         "## Mismatch against high precision and pure-noise clips", "",

@@ -78,7 +78,7 @@ def _device(cfg: Any) -> tuple[torch.device, torch.dtype, str]:
 def engine_factory(cfg: Any, model_cfg: Any, weights: Any, tok: Any, device: torch.device, dtype: torch.dtype,
                    gemm: str) -> Any:
     """The audit's :class:`~nemo_fp8rl.audit.scoring.EngineFactory`: the tokenizer's end ids (where a response
-    ends, and what sampling suppresses before ``audit.min_response_len``) and padding id, the training recipe
+    ends, or what ``audit.eos=suppress`` keeps from being sampled) and padding id, the training recipe
     for ``same_as_train``."""
     from nemo_fp8rl.audit.scoring import EngineFactory
     from nemo_fp8rl.fp8.recipes import build_fp8_recipe
@@ -177,9 +177,9 @@ def run_audit(cfg: Any, command: str = "") -> dict:
     # 1. responses sampled at high precision; every configuration scores these tokens
     G = a.samples_per_prompt
     expanded = [p for p in prompts for _ in range(G)]
-    min_new = a.response_len if a.min_response_len is None else a.min_response_len
+    min_new = a.response_len if a.eos == "suppress" else 0
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            max_new_tokens=a.response_len, stop_on_eos=True)
+                            max_new_tokens=a.response_len, stop_on_eos=a.eos != "ignore")
     with _timed(timings, "sample"):
         hp_engine = factory.high_precision()
         batch = sample_responses(hp_engine, expanded, params, torch.Generator().manual_seed(cfg.seed * 1000 + 983),
@@ -266,7 +266,7 @@ def run_audit(cfg: Any, command: str = "") -> dict:
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "eps_low": eps_low, "eps_high": eps_high, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
         "sequences": int(tokens.shape[0]), "prompts": len(prompts), "samples_per_prompt": G,
-        "response_len": a.response_len, "min_response_len": min_new,
+        "response_len": a.response_len, "eos": a.eos,
         "response_tokens": int(mask.sum()), "mean_response_len": float(batch.response_lens.float().mean()),
         "prompt_len_mean": float(batch.prompt_lens.float().mean()),
         "position_buckets": list(a.position_buckets),

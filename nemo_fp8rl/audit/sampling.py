@@ -1,11 +1,11 @@
-"""Responses sampled at high precision, reaching the lengths the audit measures.
+"""Responses sampled at high precision, reaching the lengths the audit measures (``audit.eos``).
 
-The torch rollout engine's ``generate`` loop (prefill, then one token per step with its KV cache) with one
-addition, vLLM's ``min_tokens``: the EOS ids get probability 0 until a response has ``min_new_tokens``
-tokens. A chat model answers a chain_sum problem in ~50 tokens; mismatch against response length up to
-512 needs responses that long. The tokens are then drawn from the model's distribution conditioned on "not
-yet the end", which every configuration scores alike (the teacher-forced log-probs keep EOS in the softmax).
-With ``min_new_tokens=0`` this is the engine's own sampling (stop at EOS).
+``ignore`` is the engine's own sampling with ``stop_on_eos=False`` (vLLM's ``ignore_eos``). ``suppress``
+is the torch rollout engine's ``generate`` loop (prefill, then one token per step with its KV cache) with
+one addition, vLLM's ``min_tokens``: the EOS ids get probability 0 until a response has ``min_new_tokens``
+tokens, so the model has to go on with its answer (the tokens are then drawn from its distribution
+conditioned on "not yet the end"; every configuration scores them alike, the teacher-forced log-probs keep
+EOS in the softmax). ``stop``: ``min_new_tokens=0``, the engine's own sampling.
 """
 
 from __future__ import annotations

@@ -40,9 +40,11 @@ class AuditConfig:
     """audit.prompts_file: wrap each prompt in the tokenizer's chat template (when it has one)."""
     response_len: int = 512
     """Most response tokens sampled per prompt (model.seq_length is raised to fit the prompt + this)."""
-    min_response_len: Optional[int] = None
-    """EOS is not sampled before this many response tokens (vLLM's min_tokens), so that every response
-    reaches the lengths the audit measures; null = audit.response_len; 0 = stop at the model's own EOS."""
+    eos: str = "ignore"
+    """What the end-of-turn token does while sampling: ignore (sampled like any token, the response goes on:
+    vLLM's ignore_eos, how benchmarks get long responses; a chat model then writes new turns, text it finds
+    likely) | suppress (never sampled before audit.response_len: vLLM's min_tokens; a small model at
+    temperature 1 drifts into improbable text) | stop (the model's own stopping, response lengths as in training)."""
     position_buckets: List[int] = field(default_factory=lambda: [0, 32, 64, 128, 256, 512])
     """Response-position bucket starts for mismatch against length (the last bucket is open-ended)."""
     rank_config: Optional[str] = None
@@ -89,11 +91,8 @@ def check_audit_config(a: AuditConfig) -> AuditConfig:
     pos_int("rank_sequences", a.rank_sequences)
     pos_int("rank_response_len", a.rank_response_len)
     pos_int("score_batch", a.score_batch)
-    if a.min_response_len is not None:
-        pos_int("min_response_len", a.min_response_len, low=0)
-        if a.min_response_len > a.response_len:
-            raise ConfigError(f"audit.min_response_len={a.min_response_len} exceeds audit.response_len="
-                              f"{a.response_len}; lower it or raise audit.response_len")
+    if a.eos not in ("ignore", "suppress", "stop"):
+        raise ConfigError(f"audit.eos={a.eos!r} is not valid; choose one of ['ignore', 'suppress', 'stop']")
     b = list(a.position_buckets)
     if not b or b[0] != 0 or any(not isinstance(x, int) or isinstance(x, bool) for x in b) or b != sorted(set(b)):
         raise ConfigError(f"audit.position_buckets={b} must be increasing integers starting at 0, e.g. [0,64,128,256]")

@@ -55,7 +55,7 @@ def test_cli_writes_md_png_json_and_the_recommendation(report):
     assert [c["name"] for c in rep["configs"]] == names
     for n in names:
         assert f"| `{n}` |" in md
-    assert rep["sequences"] == 4 and rep["response_tokens"] == 4 * 12  # EOS suppressed: every response 12 tokens
+    assert rep["sequences"] == 4 and rep["response_tokens"] == 4 * 12  # audit.eos=ignore: every response 12 tokens
     for c in rep["configs"]:
         assert c["tokens"] == 48
         if c["name"] == "kv_calibrated+edge":  # 1 + 1 edge layers of a 2-layer model: all high precision

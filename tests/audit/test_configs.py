@@ -74,8 +74,8 @@ def test_duplicates_and_bad_audit_keys():
     with pytest.raises(ConfigError, match="audit.position_buckets"):
         check_audit_config(cfg.audit)
     cfg.audit.position_buckets = [0, 10]
-    cfg.audit.min_response_len = 1000
-    with pytest.raises(ConfigError, match="audit.min_response_len=1000 exceeds audit.response_len"):
+    cfg.audit.eos = "skip"
+    with pytest.raises(ConfigError, match=r"audit.eos='skip' is not valid; choose one of \['ignore', 'suppress', 'stop'\]"):
         check_audit_config(cfg.audit)
 
 
