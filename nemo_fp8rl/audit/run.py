@@ -75,6 +75,18 @@ def _device(cfg: Any) -> tuple[torch.device, torch.dtype, str]:
     return torch.device("cpu"), torch.float32, "emulate"
 
 
+def _describe_scales(scales: Any, fmt: str, margin: float) -> str:
+    """One line: the range over layers of the calibrated q/k/v scales and of the amax each maps to the format's
+    largest value (amax = scale x max / margin; the static scale 1.0 maps 448 for E4M3)."""
+    m = 448.0 if fmt == "e4m3" else 57344.0
+    parts = []
+    for n in ("q", "k", "v"):
+        t = getattr(scales, n)
+        lo, hi = float(t.min()), float(t.max())
+        parts.append(f"{n} {lo:.3g}-{hi:.3g} (amax {lo * m / margin:.3g}-{hi * m / margin:.3g})")
+    return f"calibrated {fmt} KV scales over layers: " + ", ".join(parts)
+
+
 def engine_factory(cfg: Any, model_cfg: Any, weights: Any, tok: Any, device: torch.device, dtype: torch.dtype,
                    gemm: str) -> Any:
     """The audit's :class:`~nemo_fp8rl.audit.scoring.EngineFactory`: the tokenizer's end ids (where a response
@@ -208,6 +220,7 @@ def run_audit(cfg: Any, command: str = "") -> dict:
                 if kv_scales is None or kv_scales[0] != c.kv_cache:
                     kv_scales = (c.kv_cache, calibrated_kv_scales(model_cfg, weights, tokens, lengths, setup, device,
                                                                   rows=range(0, tokens.shape[0], G)))
+                    notes.append(_describe_scales(kv_scales[1], c.kv_cache, setup.kv_calib_margin))
                 scales = kv_scales[1]
             eng = factory.for_setup(setup, c.kv_kernel, scales)
             logps[c.name] = score_engine(eng, tokens, lengths, temperature=temp, batch=a.score_batch)
