@@ -174,15 +174,17 @@ def run_audit(cfg: Any, command: str = "") -> dict:
 
     from nemo_fp8rl.models.hf_config import resolve_model_config
 
-    configs = parse_configs(cfg, resolve_model_config(cfg.model).num_layers)  # bad names stop before any work
-    with _timed(timings, "load"):
-        model_cfg, tok, weights, prompts = _load_inputs(cfg)
-    L = model_cfg.num_layers
+    # bad names and layers stop before any model work
+    L = resolve_model_config(cfg.model).num_layers
+    configs = parse_configs(cfg, L)
     rank_cfg = _rank_target(configs, a.rank_config)
     rank_layers = list(range(L)) if a.rank_layers is None else sorted(set(a.rank_layers))
     bad = [i for i in rank_layers if i >= L]
     if bad:
-        raise ConfigError(f"audit.rank_layers {bad} are not layers of the model (0..{L - 1})")
+        raise ConfigError(f"audit.rank_layers {bad} are not layers of the model (0..{L - 1}); give indices below "
+                          f"{L}, null for all, [] for no ranking")
+    with _timed(timings, "load"):
+        model_cfg, tok, weights, prompts = _load_inputs(cfg)
     factory = engine_factory(cfg, model_cfg, weights, tok, device, dtype, gemm)
     eps_low, eps_high = cfg.algorithm.eps_low, cfg.algorithm.eps_high
 

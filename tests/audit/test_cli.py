@@ -79,6 +79,7 @@ def test_cli_writes_md_png_json_and_the_recommendation(report):
     ("audit.configs=[linear,kv_statik]", "invalid config: audit.configs: unknown configuration 'kv_statik'"),
     ("audit.prompts_file=/nonexistent/p.jsonl", "audit.prompts_file='/nonexistent/p.jsonl': no such file"),
     ("audit.response_len=0", "audit.response_len=0 must be an integer >= 1"),
+    ("audit.rank_layers=[0,5]", "audit.rank_layers [5] are not layers of the model (0..1)"),
 ])
 def test_bad_input_exits_2_naming_key_and_fix(tiny_model, tmp_path, override, match):
     ckpt, _ = tiny_model
