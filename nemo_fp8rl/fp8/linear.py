@@ -108,10 +108,14 @@ def quantize_operand(
         size_hint: the layer's weight size, which ``fp8.compile=auto`` judges on a CPU (fused.wants_compile).
     Returns:
         float32 tensor shaped like t: ``float32(q) * fp32(1/s)`` per group. A weight inside
-        :func:`fp8_weight_cache` is quantized once per (dim) and reused (Transformer Engine's
+        :func:`fp8_weight_cache` is quantized once along K (per-tensor and 2-D tile recipes) and reused (Transformer Engine's
         first-micro-batch caching): its amax is recorded by that first quantization only.
     """
-    cache = state.weight_cache if (state is not None and role == "weight") else None
+    # cached: the forward's weight (along K) of the recipes that keep it for the backward anyway (per-tensor
+    # scales, 2-D tiles); row/MX weights are re-quantized per use and keep no float32 copy between GEMMs,
+    # which the memory plan counts on (launcher/memory.py, weight_copy_bytes)
+    cacheable = role == "weight" and dim == 1 and recipe.granularity_for("weight") not in ("row", "mx")
+    cache = state.weight_cache if (state is not None and cacheable) else None
     if cache is not None and cache.active:
         hit = cache.get(t, dim)
         if hit is not None:

@@ -180,6 +180,7 @@ def _trainer(task, dp_rank: int, dp_size: int, seed: int = 3):
     tr.rollout_gen = torch.Generator().manual_seed(seed * 1000 + 17 + dp_rank)
     tr.shuffle_gen = torch.Generator().manual_seed(seed * 1000 + 43 + dp_rank)
     tr.step_idx = tr.consecutive_skips = tr.skipped_total = tr.unstable_steps = 0
+    tr.kv_sync = SimpleNamespace(state_dict=lambda: None, load_state_dict=lambda st: None)  # FP8 KV cache off
     return tr
 
 
