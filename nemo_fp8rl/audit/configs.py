@@ -69,11 +69,17 @@ class AuditConfiguration:
 
     @property
     def kv_on(self) -> bool:
-        return self.kv_cache != "off"
+        """Whether the KV cache is FP8 (the rollout's own rule, :class:`RolloutFp8Setup`)."""
+        from nemo_fp8rl.rollout.fp8_setup import RolloutFp8Setup
+
+        return RolloutFp8Setup(kv_cache=self.kv_cache, kv_scales=self.kv_scales).kv_on
 
     @property
     def calibrated(self) -> bool:
-        return self.kv_on and self.kv_scales == "calibrated"
+        """Whether the KV-cache scales are calibrated (the rollout's own rule)."""
+        from nemo_fp8rl.rollout.fp8_setup import RolloutFp8Setup
+
+        return RolloutFp8Setup(kv_cache=self.kv_cache, kv_scales=self.kv_scales).calibrated
 
     def high_precision_layers(self, num_layers: int) -> tuple[int, ...]:
         from nemo_fp8rl.rollout.fp8_setup import edge_layers

@@ -158,10 +158,6 @@ class Fp8Stats:
         self.nonfinite_amax += nonfinite
 
 
-def _move_last(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x if dim in (-1, x.dim() - 1) else x.movedim(dim, -1)
-
-
 def _restore(x: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
     return x if dim in (-1, ndim - 1) else x.movedim(-1, dim)
 
@@ -206,7 +202,11 @@ def _split_dim(x: torch.Tensor, d: int, block: int) -> torch.Tensor:
 
 
 def _grouped(xf: torch.Tensor, granularity: Granularity, d: int, block: int) -> torch.Tensor:
-    """x in its scaling groups, in x's own layout (see :func:`_quantize_groups`); views plus a zero pad."""
+    """x in its scaling groups, in x's own layout (views plus a zero pad; no transposes, so one fused pass
+    reads x as it lies): ``tensor``/``row``: x itself. 1-D blocks (``(1, B)``, ``mx``): ``dim`` split into
+    (n_blocks, B), [..., n_blocks, B, ...]. 2-D tiles ``(B, B)``: [R/B, B, C/B, B]. The scales of
+    :func:`_group_scales` broadcast against it (``[]``, 1 at ``dim``, [..., n_blocks, 1, ...],
+    [R/B, 1, C/B, 1]); :func:`quantize` returns views in its documented layout."""
     if granularity in ("tensor", "row"):
         return xf
     if granularity == "mx":
@@ -276,35 +276,8 @@ def _group_cast(
     return _from_layout(read_back, x, granularity, d).to(out_dtype), n_sat
 
 
-def _quantize_groups(
-    x: torch.Tensor,
-    f: Fp8Format,
-    granularity: Granularity,
-    dim: int,
-    pow2_scales: bool,
-    margin: int,
-    eps: float,
-    block: int,
-    scale: Optional[torch.Tensor],
-    count_saturated: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """Group x, compute one scale per group and cast: ``(data, s, n_saturated, n_nonfinite)`` in x's layout.
-
-    The eager composition of the two stages :func:`_quantize_impl` runs (compiled or not).
-    Layout (no transposes, so one fused pass reads x as it lies): ``tensor``/``row``: data like x, s
-    ``[]`` / x's shape with 1 at ``dim``. 1-D blocks (``(1, B)``, ``mx``): ``dim`` split into
-    (n_blocks, B), data [..., n_blocks, B, ...] zero padded, s [..., n_blocks, 1, ...]. 2-D tiles
-    ``(B, B)``: data [R/B, B, C/B, B], s [R/B, 1, C/B, 1]. :func:`quantize` turns these into its
-    documented layout (views).
-    """
-    d = dim % x.dim() if x.dim() else 0
-    s, _, n_bad = _group_scales(x, f, granularity, d, pow2_scales, margin, eps, block, scale)
-    data, n_sat = _group_cast(x, s, f, granularity, d, block, count_saturated, False, False, torch.float32)
-    return data, s, n_sat, n_bad
-
-
 def _to_documented_layout(t: torch.Tensor, granularity: Granularity, d: int) -> torch.Tensor:
-    """From :func:`_quantize_groups`' layout to :func:`quantize`'s (a view): 1-D blocks [..., n_blocks, B]
+    """From :func:`_grouped`'s layout to :func:`quantize`'s (a view): 1-D blocks [..., n_blocks, B]
     with ``dim`` moved last, 2-D tiles [R/B, C/B, B, B]."""
     if granularity in ("tensor", "row"):
         return t
@@ -314,7 +287,7 @@ def _to_documented_layout(t: torch.Tensor, granularity: Granularity, d: int) -> 
 
 
 def _from_layout(grouped: torch.Tensor, like: torch.Tensor, granularity: Granularity, d: int) -> torch.Tensor:
-    """Undo :func:`_quantize_groups`' grouping: back to ``like``'s shape, padding dropped (views)."""
+    """Undo :func:`_grouped`: back to ``like``'s shape, padding dropped (views)."""
     if granularity in ("tensor", "row"):
         return grouped
     if isinstance(granularity, (tuple, list)) and granularity[0] != 1:
@@ -411,7 +384,7 @@ def dequantize(
 
 
 def _ungroup(grouped: torch.Tensor, like: torch.Tensor, granularity: Granularity, dim: int) -> torch.Tensor:
-    """Undo the grouping of :func:`_quantize_groups`: back to ``like``'s shape (padding dropped)."""
+    """Undo :func:`quantize`'s documented grouping: back to ``like``'s shape (padding dropped)."""
     if granularity in ("tensor", "row"):
         return grouped
     if isinstance(granularity, (tuple, list)) and granularity[0] != 1:

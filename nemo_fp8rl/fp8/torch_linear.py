@@ -25,7 +25,7 @@ import torch
 
 from nemo_fp8rl.fp8.backends import QuantizedOperand, scaled_gemm
 from nemo_fp8rl.fp8.linear import Fp8LinearState, _delayed_scale
-from nemo_fp8rl.fp8.quantize import quantize
+from nemo_fp8rl.fp8.quantize import _quantize_impl
 from nemo_fp8rl.fp8.recipes import Fp8Recipe
 
 
@@ -41,19 +41,22 @@ def quantize_operand_fp8(
     """
     gran = recipe.granularity_for(role)
     meta, scale = _delayed_scale(t, role, recipe, state)
-    data, scale_inv = quantize(
-        t, recipe.format_for(role), gran, dim=1, pow2_scales=recipe.pow2_scales, eps=recipe.amax_epsilon,
-        block=recipe.mx_block, scale=scale, stats=state.stats if state is not None else None,
+    # the quantizer's own layout is already [R, K] row-major (1-D blocks [R, K/B, B], tiles [R/B, B, K/B, B])
+    data, s, amax = _quantize_impl(
+        t, recipe.format_for(role), gran, 1, recipe.pow2_scales, 0, recipe.amax_epsilon, recipe.mx_block, scale,
+        state.stats if state is not None else None, False, False, torch.float32,
     )
     if meta is not None and record:
-        meta.record_and_update(t.detach().abs().amax(), recipe, role)
+        meta.record_and_update(amax.detach(), recipe, role)  # delayed = per tensor: the quantizer's amax
+    scale_inv = 1.0 / s
     if gran in ("tensor", "row"):
         return QuantizedOperand(data.contiguous(), scale_inv, gran)
     gran = (int(gran[0]), int(gran[1]))
-    if gran[0] == 1:  # [R, K/B, B] -> [R, K]; scale_inv [R, K/B, 1] -> [R, K/B]
-        return QuantizedOperand(data.reshape(data.shape[0], -1).contiguous(), scale_inv[..., 0], gran)
-    rr, cc, br, bc = data.shape  # tiles [R/B, K/B, B, B] -> [R, K]; scale_inv [R/B, K/B, 1, 1] -> [R/B, K/B]
-    return QuantizedOperand(data.permute(0, 2, 1, 3).reshape(rr * br, cc * bc).contiguous(), scale_inv[..., 0, 0], gran)
+    rows = data.shape[0] * (data.shape[1] if gran[0] != 1 else 1)
+    data = data.reshape(rows, -1).contiguous()
+    if gran[0] == 1:  # scale_inv [R, K/B, 1] -> [R, K/B]
+        return QuantizedOperand(data, scale_inv[..., 0], gran)
+    return QuantizedOperand(data, scale_inv[:, 0, :, 0].contiguous(), gran)  # [R/B, 1, K/B, 1] -> [R/B, K/B]
 
 
 def _pad_rows_to(t: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -73,6 +73,10 @@ class SamplingParams:
     """Most tokens generated per prompt (EOS included)."""
     stop_on_eos: bool = True
     """Stop a sequence when it samples the EOS token (the EOS is kept as the last response token)."""
+    min_tokens: int = 0
+    """vLLM's ``min_tokens``: the EOS ids get probability 0 until a response has this many tokens (the
+    tokens are then drawn from the distribution conditioned on "not yet the end"; their ``rollout_logp``
+    is of that distribution)."""
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -91,6 +95,8 @@ class SamplingParams:
                 f"SamplingParams.max_new_tokens={self.max_new_tokens!r} is not valid; use an integer >= 1 "
                 "(config key rollout.max_new_tokens)"
             )
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens):
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens!r} is not valid; use an integer >= 0")
 
 
 @dataclass

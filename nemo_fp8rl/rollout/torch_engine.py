@@ -283,7 +283,10 @@ class TorchRolloutEngine:
         cache = KVCache.empty(self.shape, B, P + N, self.device, self.dtype, kv=self.kv)
         logits = forward_prefill(self.shape, w, self.scheme, tokens[:, :P].to(self.device), lens.to(self.device), cache)
         rows = torch.arange(B)  # original batch index of each live cache row
+        eos_dev = self._eos.to(self.device) if params.min_tokens else None
         for step in range(N):
+            if step < params.min_tokens:  # vLLM's min_tokens: no EOS yet
+                logits = logits.float().index_fill(-1, eos_dev, float("-inf"))
             tok, lp = sample_next(logits, params.temperature, params.top_p, generator)
             tok_cpu = tok.cpu()
             pos = lens[rows] + step

@@ -498,7 +498,7 @@ class VllmEngine:
         stop = dict(stop_token_ids=list(self.eos_ids)) if params.stop_on_eos else dict(ignore_eos=True)
         sps = [
             VSP(n=1, temperature=float(params.temperature), top_p=float(params.top_p), max_tokens=N,
-                min_tokens=0, seed=int(s), logprobs=0, detokenize=False, skip_special_tokens=False, **stop)
+                min_tokens=int(params.min_tokens), seed=int(s), logprobs=0, detokenize=False, skip_special_tokens=False, **stop)
             for s in seeds
         ]
         with keep_torch_rng():

@@ -255,7 +255,7 @@ def test_nan_leaves_other_blocks_as_te(tile):
 
 @pytest.mark.xfail(strict=True, reason="TE's kernels take amax with fmaxf, which skips NaN, so the other "
                    "elements of a NaN block keep a finite-amax scale; our torch.amax gives NaN and scale 1 "
-                   "(quantize.py's _quantize_groups computes the amax)")
+                   "(quantize.py's _group_amax computes it)")
 def test_nan_block_scale_is_te():
     x = _sample((1, 128), torch.float32, 5)
     x[0, 10] = float("nan")
