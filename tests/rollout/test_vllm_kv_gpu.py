@@ -20,7 +20,6 @@ import gc
 import pytest
 import torch
 
-from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.rollout import SamplingParams
 from tests._fp8_bounds import fp8_noise_bound
 
@@ -28,13 +27,9 @@ from .conftest import random_hf_weights
 
 pytestmark = pytest.mark.gpu
 
-EOS, PAD = 2, 0
-CFG = ModelConfig(name="qwen3", vocab_size=512, num_layers=4, hidden_size=512, num_attention_heads=4,
-                  num_query_groups=2, kv_channels=128, ffn_hidden_size=1024, qk_layernorm=True,
-                  untie_embeddings_and_output_weights=True, seq_length=512)
-PROMPTS = [[1, 3 + i, 5 + 2 * i, 7 + 3 * i] for i in range(16)] + [[1] + list(range(10, 150))]
+from .test_vllm_gpu import CFG, EOS, PAD, PROMPTS, RERUN_TOL  # noqa: E402  (the same GPU test model and prompts)
+
 HP = (3,)  # the last layer keeps a BF16 cache (kv_cache_dtype_skip_layers)
-RERUN_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
