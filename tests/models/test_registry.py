@@ -244,7 +244,7 @@ def test_grpo_smoke_on_smollm2_with_fp8_and_calibration(smollm2, tmp_path):
     proc = run_cli(out, "model=smollm2_135m", "task=reasoning_gym", "task.dataset=chain_sum", "fp8=tensorwise",
             "calibration=paper", "calibration.interval=1", "warmup.steps=0", "trainer.max_steps=2",
             "algorithm.prompts_per_step=2", "algorithm.group_size=2", "algorithm.minibatches_per_step=1",
-            "rollout.max_new_tokens=16", "parallel.micro_batch_size=4", timeout=900)
+            "rollout.max_new_tokens=16", "parallel.micro_batch_size=4", "fp8.compile=false", timeout=900)
     recs = metrics(out)
     assert [r["step"] for r in recs] == [0, 1]
     for r in recs:
