@@ -11,6 +11,14 @@ Bit-equality: the compiled function *is* the eager function (the same Python, tr
 elementwise or an exact max reduction, so the result is the same bits; ``tests/fp8/test_fused.py``
 checks every recipe x role x format, edge cases included.
 
+GPU numerics (read from Inductor's sources, torch 2.13: ``config.eager_numerics`` and
+``codegen/triton.py``): by default Triton lowers a float32 ``x / y`` to the approximate ``div.full`` (eager
+CUDA divides exactly, round-to-nearest) and flushes denormals to zero. Either would break bit-equality on a
+GPU where the CPU tests cannot see it: the scale rule ``s = M / amax``, the read-back's ``1 / s`` and the
+dequantized values of tiny-amax groups. Every graph therefore compiles with
+``eager_numerics.division_rounding`` and ``eager_numerics.disable_ftz`` on (:func:`compile_options`, which
+keeps the ones the running torch knows; C++ on the CPU already divides exactly and keeps denormals).
+
 Shapes: every dim of the tensor arguments is marked dynamic (``maybe_mark_dynamic``) before the first
 compile, so a new token count does not recompile, while the configuration's integers (block sizes,
 margin) stay compile-time constants (``dynamic=True`` would make them symbols too, and the 128x128 tile
@@ -118,6 +126,21 @@ def _fresh_function(fn: Callable, tag: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
+EXACT_NUMERICS = ("eager_numerics.division_rounding", "eager_numerics.disable_ftz")
+"""Inductor options every quantizer graph compiles with (module docstring, "GPU numerics")."""
+
+
+def compile_options() -> Dict[str, bool]:
+    """The options of :data:`EXACT_NUMERICS` this torch's Inductor has, all set to True (``torch.compile``
+    rejects an unknown option, and older releases lack some of them)."""
+    try:
+        from torch._inductor import config as inductor_config
+    except ImportError:  # pragma: no cover - torch without Inductor: compile fails and run() goes eager
+        return {}
+    known = inductor_config.get_config_copy()
+    return {k: True for k in EXACT_NUMERICS if k in known}
+
+
 def run(key: Hashable, make: Callable[[], Callable], *args, size_hint: Optional[int] = None):
     """``make()(*args)``, compiled once per ``key`` when :func:`wants_compile` says so, else eager.
 
@@ -133,7 +156,8 @@ def run(key: Hashable, make: Callable[[], Callable], *args, size_hint: Optional[
         with _lock:
             compiled = _cache.get(key)
             if compiled is None:
-                compiled = torch.compile(_fresh_function(fn, f"k{len(_cache)}"), dynamic=None, fullgraph=True)
+                compiled = torch.compile(_fresh_function(fn, f"k{len(_cache)}"), dynamic=None, fullgraph=True,
+                                         options=compile_options())
                 _cache[key] = compiled
     for a in args:  # every tensor dim symbolic from the first compile; the closed-over ints (block sizes,
         for i in range(a.dim()):  # margin) stay constants, which dynamic=True would turn into symbols too

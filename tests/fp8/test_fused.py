@@ -150,6 +150,32 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, caplog):
         fused.reset()
 
 
+def test_graphs_compile_with_eager_division_and_denormals(monkeypatch):
+    """Triton's default float32 division is approximate and it flushes denormals (Inductor's
+    ``eager_numerics``): every quantizer graph asks for exact division and kept denormals, which the
+    running torch must accept as options (an unknown one makes ``torch.compile`` raise)."""
+    from torch._inductor import config as inductor_config
+
+    opts = fused.compile_options()
+    assert set(opts) <= set(fused.EXACT_NUMERICS) and all(v is True for v in opts.values())
+    if hasattr(inductor_config, "eager_numerics"):  # torch 2.13: both exist
+        assert set(opts) == set(fused.EXACT_NUMERICS)
+    seen = []
+
+    def capture(fn, **kw):
+        seen.append(kw)
+        return fn
+
+    fused.reset()
+    monkeypatch.setattr(torch, "compile", capture)
+    try:
+        with _mode("true"):
+            fake_quantize(torch.randn(8, 8), "e4m3")
+    finally:
+        fused.reset()
+    assert seen and all(kw.get("options") == opts for kw in seen)
+
+
 def test_auto_mode_compiles_large_cpu_tensors_only():
     with _mode("auto"):
         assert not fused.wants_compile(torch.empty(16, 16))
