@@ -18,7 +18,11 @@ fixed clip, in one process, steps interleaved. Step 0 (compiles, allocator warm-
 arms' trajectories differ after step 0 (other bounds, other samples), so a few steps' mean is compared,
 phase by phase. Target (issue 26): an FP8 step at most 1.2x the BF16 step.
 
-    python benchmarks/bench_step.py --real [--steps 4] [--recipes tensorwise,blockwise] [--threads 2]
+    python benchmarks/bench_step.py --real [--steps 4] [--recipes tensorwise,blockwise] [--threads 2] [--fixed-length]
+
+The response lengths (which set the decode steps and the trained tokens) differ between arms, so the
+table also prints each arm's mean ``rollout/response_len`` and ``train/global_tokens``; ``--fixed-length``
+removes that difference (every response runs to ``rollout.max_new_tokens``) to compare the cost alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.trainer import RLTrainer, run_warmup
 
 PHASES = ("rollout", "logprobs", "shadow", "train", "step")
+SIZE_KEYS = ("rollout/response_len", "train/global_tokens")
 
 
 def make_cfg(out: str, recipe: str, mode: str, interval: int, steps: int, cache_dir: str) -> TrainConfig:
@@ -75,14 +80,16 @@ def main_real(args) -> None:
     from nemo_fp8rl.fp8 import fused
 
     tmp = tempfile.mkdtemp(prefix="bench_step_real_")
-    arms = {"bf16": (["fp8=off", "calibration=off"], "false")}
+    fixed = ["rollout.stop_on_eos=false"] if args.fixed_length else []
+    arms = {"bf16": (["fp8=off", "calibration=off", *fixed], "false")}
     for recipe in args.recipes.split(","):
-        arms[f"{recipe} fused"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=true"], "true")
-        arms[f"{recipe} eager"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=false"], "false")
+        arms[f"{recipe} fused"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=true", *fixed], "true")
+        arms[f"{recipe} eager"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=false", *fixed], "false")
     trainers = {name: real_trainer(f"{tmp}/{name.replace(' ', '_')}", ov, args.warmup_cache)
                 for name, (ov, _) in arms.items()}
     phases = PHASES + ("weight_sync",)
     times = {name: {p: [] for p in phases} for name in arms}
+    sizes = {name: {k: [] for k in SIZE_KEYS} for name in arms}
     t0 = time.time()
     for i in range(args.steps + 1):
         for name, tr in trainers.items():
@@ -92,6 +99,8 @@ def main_real(args) -> None:
                 continue  # compiles and first-touch allocations
             for p in phases:
                 times[name][p].append(m.get(f"timing/{p}", 0.0))
+            for k in SIZE_KEYS:
+                sizes[name][k].append(m.get(k, 0.0))
     for tr in trainers.values():
         tr.close()
     print(f"demo-real GRPO step (SmolLM2-135M, chain_sum), {args.steps} steps per arm after step 0, interleaved, "
@@ -100,6 +109,8 @@ def main_real(args) -> None:
     for p in phases:
         if any(times[n][p] and statistics.mean(times[n][p]) for n in arms):
             print(f"{p:<16}" + "".join(f"{statistics.mean(times[n][p]):>18.2f}" for n in arms))
+    for k in SIZE_KEYS:  # the work each arm's steps did: differing sizes confound the time ratios
+        print(f"{k:<16}" + "".join(f"{statistics.mean(sizes[n][k]):>18.1f}" for n in arms))
     ref = statistics.mean(times["bf16"]["step"])
     print(f"{'x bf16 step':<16}" + "".join(f"{statistics.mean(times[n]['step']) / ref:>18.2f}" for n in arms))
     if fused.compile_unavailable():
@@ -116,6 +127,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--real", action="store_true", help="BF16 vs FP8 step on the make demo-real settings")
     ap.add_argument("--recipes", default="tensorwise,blockwise", help="--real: FP8 recipes to compare")
+    ap.add_argument("--fixed-length", action="store_true",
+                    help="--real: rollout.stop_on_eos=false in every arm, so every response has "
+                         "rollout.max_new_tokens tokens and every arm's steps process the same shapes (the "
+                         "demo's responses end at EOS, and their lengths differ between arms)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.real:
