@@ -292,3 +292,41 @@ def test_commit_records_small_files_and_never_checkpoints(tmp_path):
     assert not mod.commit_paths(paths, "again")  # unchanged: nothing to commit
     with pytest.raises(ValueError, match="refusing"):
         mod.commit_paths([d / "checkpoints" / "step_2" / "meta.json"], "no")
+
+
+def _write_metrics(d: Path, rewards: list[float], alpha: float = 0.0, interval: int = 10) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, r in enumerate(rewards):
+        row = {"step": i, "reward/mean": r, "reward/accuracy": r, "policy/entropy": 0.5, "clip/low_frac": 0.01,
+               "timing/step": 30.0}
+        if i % interval == 0:
+            row.update({"calib/alpha_bf16": alpha, "calib/skipped": 0, "calib/neg_push": -0.02})
+        rows.append(json.dumps(row))
+    (d / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+
+
+def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
+    """--report: the sweep's target (gain >= 0.15 and alpha_bf16 >= 0.01 over a finished run), runs read from
+    the run directory or the record, whichever has more steps, and the confirmation's paired differences
+    with a bootstrap interval that is the same on every call and brackets the mean."""
+    mod = _run_study_module()
+    pr = mod.protocol_report
+    out, record = tmp_path / "out", tmp_path / "record"
+    _write_metrics(out / "sweep" / "lr1e-5" / "seed1", [0.2] * 10 + [0.3] * 80 + [0.4] * 10, alpha=0.02)
+    _write_metrics(record / "sweep" / "lr3e-5" / "seed1", [0.2] * 90 + [0.4] * 10, alpha=0.0)  # alpha misses
+    _write_metrics(out / "sweep" / "base" / "seed1", [0.2] * 40)  # still running
+    runs = mod.stage_runs(_stage_args(mod, "stage=sweep", "points=base,lr1e-5,lr3e-5"))
+    md = mod.stage_report("sweep", runs, out, record)
+    lines = {ln.split(" | ")[0].lstrip("| "): ln for ln in md.splitlines()[2:]}
+    assert lines["lr1e-5"].endswith("| **met** |") and "| +0.200 |" in lines["lr1e-5"]
+    assert lines["lr3e-5"].endswith("| no |") and "| 100/100 |" in lines["lr3e-5"]
+    assert lines["base"].endswith("| running (40/100) |")
+
+    diffs = [0.05, -0.01, 0.03]
+    lo, hi = pr.bootstrap_interval(diffs)
+    assert (lo, hi) == pr.bootstrap_interval(diffs) and lo <= sum(diffs) / 3 <= hi and lo >= -0.01 - 1e-12 and hi <= 0.05 + 1e-12
+    table = pr.paired_table({"fp8_calibrated": {11: 0.5, 12: 0.4, 13: 0.45}, "fp8": {11: 0.45, 12: 0.41, 13: 0.42}},
+                            [("fp8_calibrated", "fp8"), ("fp8", "bf16")])
+    assert "| fp8_calibrated - fp8 | 3 | 11: +0.050, 12: -0.010, 13: +0.030 | +0.023 |" in table
+    assert "| fp8 - bf16 | 0 | - | - | - |" in table

@@ -19,6 +19,11 @@ on fresh seeds::
     python benchmarks/study/run_study.py --stage explore --regime lr1e-5 --chunks 1 --commit
     python benchmarks/study/run_study.py --stage confirm --regime lr1e-5 --condition e5m2 --plan
     python benchmarks/study/run_study.py --stage confirm --regime lr1e-5 --condition e5m2 --chunks 1 --commit
+    python benchmarks/study/run_study.py --stage sweep --report     # markdown tables for docs/results.md
+
+``--report`` reads each run of the stage from ``<out>`` or its committed record and prints the stage's
+table (protocol_report.py defines the columns): the sweep with issue 28's target per point, the
+exploration's runs, the confirmation's runs and its paired per-seed differences with bootstrap intervals.
 
 * ``sweep``: the BF16 arm (``fp8=off calibration=measure``: bounds nominal, BF16's own ``calib/`` metrics
   and negative push logged) at each named point of :data:`SWEEP` (learning rate, minibatches/epochs, group
@@ -105,6 +110,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from nemo_fp8rl.demo import REAL, sample_steps
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import protocol_report  # noqa: E402 - benchmarks/study is not a package
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root (the default record directory lives under it)."""
@@ -701,6 +709,28 @@ class WarmupGate:
             self.ended[(run["group"], run["name"])].set()
 
 
+def stage_report(stage: str, runs: list[dict], out: Path, record: Path) -> str:
+    """The markdown of ``--report`` for ``runs`` of ``stage`` (protocol_report.py defines every column)."""
+    def stats(r):
+        recs = protocol_report.read_metrics([run_dir(out, r), record / r["group"] / r["name"]])
+        return protocol_report.run_stats(recs)
+
+    if stage == "sweep":
+        rows = [(p, SWEEP[p], stats(r), r["steps"]) for r in runs for p in [r["name"].rsplit("/", 1)[0]]]
+        return protocol_report.sweep_table(rows)
+    table = protocol_report.arms_table([(r["name"], stats(r), r["steps"]) for r in runs])
+    if stage == "explore":
+        return table
+    last10: dict[str, dict[int, float]] = {}
+    for r in runs:
+        s = stats(r)
+        if s["steps"] >= r["steps"]:
+            last10.setdefault(r["arm"], {})[r["seed"]] = s["reward_last10"]
+    pairs = [("fp8_calibrated", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16"),
+             ("fp8_calibrated_upper_fixed", "fp8")]
+    return table + "\n\n" + protocol_report.paired_table(last10, pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/study")
@@ -734,6 +764,9 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="protocol runs checkpoint every N steps (keep_last=1)")
     r = ap.add_argument_group("chunks, resume and records")
+    r.add_argument("--report", action="store_true",
+                   help="--stage: print the stage's markdown tables (protocol_report.py) from the runs in --out "
+                        "or their records; run nothing")
     r.add_argument("--plan", action="store_true",
                    help="print the remaining work in chunks with time estimates; run nothing")
     r.add_argument("--chunk-hours", type=float, default=2.0, help="largest estimated wall time of a chunk")
@@ -761,6 +794,11 @@ def main() -> None:
             print(x["group"], x["name"], " ".join(x["overrides"]), f"# ~{est / 60:.0f} min")
         print(f"{len(runs)} runs, ~{total / 3600:.1f} h one at a time (estimates from STEP_SECONDS; warm-ups: "
               f"+~{REAL_WARMUP_S / 60:.0f} min per seed of the real group)")
+        return
+    if args.report:
+        if not args.stage:
+            raise SystemExit("--report needs --stage (sweep, explore or confirm)")
+        print(stage_report(args.stage, runs, out, record))
         return
     rows = annotate(runs, out, record, args.steps)
     budget = args.chunk_hours * 3600

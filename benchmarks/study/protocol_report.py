@@ -1,0 +1,138 @@
+"""Tables of issue 28's protocol stages (``run_study.py --stage ... --report``): markdown for docs/results.md.
+
+Each run is read from ``<out>/<stage>/<name>/metrics.jsonl`` or from its committed record
+(``<record>/<stage>/<name>/``), whichever holds more steps, so a clean clone reports what was committed.
+
+Per run, over its logged steps (``reward/mean``, ``reward/accuracy`` and ``policy/entropy`` are per-step
+means over the step's responses):
+
+* ``first10`` / ``last10``: the mean over the first and the last 10 logged steps; ``gain`` = last10 - first10
+  (issue 28's target for the BF16 regime: gain >= 0.15 within at most 150 steps);
+* ``alpha_bf16``: mean ``calib/alpha_bf16`` over the calibration steps that measured (``calib/skipped`` 0):
+  the share of negative-advantage tokens BF16 ratios clip (target >= 0.01);
+* ``neg_push``: mean ``calib/neg_push`` over those steps (the BF16 log-prob change the update gave the
+  negative-advantage tokens; nemo_fp8rl/algorithms/push.py);
+* ``low clip``: mean ``clip/low_frac``; ``step s``: mean ``timing/step``.
+
+The confirmation's paired comparison: per seed, the difference of two arms' ``last10`` reward (same seed,
+same prompts); its mean over seeds with a percentile bootstrap interval over seeds (10,000 resamples, fixed
+generator seed). With 3 seeds the bootstrap takes at most 10 distinct values, so the interval is coarse.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WINDOW = 10
+GAIN_TARGET = 0.15
+ALPHA_TARGET = 0.01
+BOOTSTRAP = 10_000
+
+
+def read_metrics(paths: list[Path]) -> list[dict]:
+    """The longest complete ``metrics.jsonl`` among ``paths`` (run dir, record); a cut last line is dropped."""
+    best: list[dict] = []
+    for d in paths:
+        f = d / "metrics.jsonl"
+        if not f.is_file():
+            continue
+        recs = []
+        for line in f.read_text().splitlines():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        if len(recs) > len(best):
+            best = recs
+    return best
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [float(x) for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def run_stats(recs: list[dict]) -> dict:
+    """The per-run numbers of the module docstring (None where a run has no such step)."""
+    def series(key):
+        return [r.get(key) for r in recs]
+
+    calib = [r for r in recs if "calib/alpha_bf16" in r and not r.get("calib/skipped", 0)]
+    reward, acc, ent = series("reward/mean"), series("reward/accuracy"), series("policy/entropy")
+    first, last = _mean(reward[:WINDOW]), _mean(reward[-WINDOW:])
+    return {
+        "steps": len(recs),
+        "reward_first10": first, "reward_last10": last,
+        "gain": None if first is None or last is None else last - first,
+        "acc_first10": _mean(acc[:WINDOW]), "acc_last10": _mean(acc[-WINDOW:]),
+        "entropy_first10": _mean(ent[:WINDOW]), "entropy_last10": _mean(ent[-WINDOW:]),
+        "alpha_bf16": _mean([r["calib/alpha_bf16"] for r in calib]),
+        "neg_push": _mean([r.get("calib/neg_push") for r in calib]),
+        "calib_steps": len(calib),
+        "low_clip": _mean(series("clip/low_frac")),
+        "garbled_steps": sum(1 for r in recs if r.get("stability/garbled")),
+        "step_s": _mean(series("timing/step")),
+    }
+
+
+def _f(v, fmt: str = ".3f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def bootstrap_interval(diffs: list[float], n: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval (2.5%, 97.5%) of the mean of ``diffs`` resampled with replacement ``n`` times."""
+    rng = random.Random(seed)
+    k = len(diffs)
+    means = sorted(sum(rng.choice(diffs) for _ in range(k)) / k for _ in range(n))
+    return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
+
+
+def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
+    """``rows``: (point, its overrides, run_stats, planned steps)."""
+    out = ["| point | overrides | steps | reward first 10 | last 10 | gain | accuracy first 10 | last 10 | "
+           "alpha_bf16 | neg push | low clip | entropy first 10 | last 10 | step s | target |",
+           "|" + " --- |" * 15]
+    for name, overrides, s, planned in rows:
+        if s["steps"] == 0:
+            verdict = "not run"
+        elif s["steps"] < planned:
+            verdict = f"running ({s['steps']}/{planned})"
+        else:
+            ok = (s["gain"] or 0) >= GAIN_TARGET and (s["alpha_bf16"] or 0) >= ALPHA_TARGET
+            verdict = "**met**" if ok else "no"
+        out.append(f"| {name} | {' '.join(overrides) or '(base)'} | {s['steps']}/{planned} | "
+                   f"{_f(s['reward_first10'])} | {_f(s['reward_last10'])} | {_f(s['gain'], '+.3f')} | "
+                   f"{_f(s['acc_first10'])} | {_f(s['acc_last10'])} | {_f(s['alpha_bf16'], '.4f')} | "
+                   f"{_f(s['neg_push'], '+.4f')} | {_f(s['low_clip'], '.4f')} | {_f(s['entropy_first10'])} | "
+                   f"{_f(s['entropy_last10'])} | {_f(s['step_s'], '.1f')} | {verdict} |")
+    return "\n".join(out)
+
+
+def arms_table(rows: list[tuple[str, dict, int]]) -> str:
+    """``rows``: (run name, run_stats, planned steps), for exploration and confirmation runs."""
+    out = ["| run | steps | reward last 10 | gain | accuracy last 10 | alpha_bf16 | neg push | low clip | "
+           "entropy last 10 | garbled steps |", "|" + " --- |" * 10]
+    for name, s, planned in rows:
+        out.append(f"| {name} | {s['steps']}/{planned} | {_f(s['reward_last10'])} | {_f(s['gain'], '+.3f')} | "
+                   f"{_f(s['acc_last10'])} | {_f(s['alpha_bf16'], '.4f')} | {_f(s['neg_push'], '+.4f')} | "
+                   f"{_f(s['low_clip'], '.4f')} | {_f(s['entropy_last10'])} | {s['garbled_steps']} |")
+    return "\n".join(out)
+
+
+def paired_table(last10: dict[str, dict[int, float]], pairs: list[tuple[str, str]]) -> str:
+    """``last10[arm][seed]``: a finished run's last-10 reward. Per pair (a, b): a - b per seed, the mean
+    and its bootstrap interval over the seeds both arms finished."""
+    out = ["| comparison | seeds | per seed (a - b) | mean | 95% bootstrap interval |", "|" + " --- |" * 5]
+    for a, b in pairs:
+        seeds = sorted(set(last10.get(a, {})) & set(last10.get(b, {})))
+        diffs = [last10[a][s] - last10[b][s] for s in seeds]
+        if not diffs:
+            out.append(f"| {a} - {b} | 0 | - | - | - |")
+            continue
+        lo, hi = bootstrap_interval(diffs)
+        per = ", ".join(f"{s}: {d:+.3f}" for s, d in zip(seeds, diffs))
+        out.append(f"| {a} - {b} | {len(seeds)} | {per} | {sum(diffs) / len(diffs):+.3f} | "
+                   f"[{lo:+.3f}, {hi:+.3f}] |")
+    return "\n".join(out)
