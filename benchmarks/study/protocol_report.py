@@ -136,3 +136,45 @@ def paired_table(last10: dict[str, dict[int, float]], pairs: list[tuple[str, str
         out.append(f"| {a} - {b} | {len(seeds)} | {per} | {sum(diffs) / len(diffs):+.3f} | "
                    f"[{lo:+.3f}, {hi:+.3f}] |")
     return "\n".join(out)
+
+
+def _smooth(xs: list[float], k: int = WINDOW) -> list[float]:
+    """Trailing mean over the last ``k`` values (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= k:
+            acc -= xs[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def curves_figure(groups: dict[str, list[list[dict]]], target: Path,
+                  keys: tuple[str, ...] = ("reward/mean", "policy/entropy", "clip/low_frac")) -> None:
+    """One panel per metric in ``keys``; per group (an arm, or a sweep point) the mean over its runs (seeds)
+    of the trailing 10-step mean, with the band from the lowest to the highest run where there are several.
+    ``groups[name]``: each run's metrics records."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6))
+    for ax, key in zip(axes, keys):
+        for name, runs in groups.items():
+            series = [_smooth([float(r.get(key, 0.0)) for r in recs]) for recs in runs if recs]
+            if not series:
+                continue
+            n = min(len(s) for s in series)
+            mean = [sum(s[i] for s in series) / len(series) for i in range(n)]
+            line, = ax.plot(range(n), mean, label=f"{name} ({len(series)})")
+            if len(series) > 1:
+                ax.fill_between(range(n), [min(s[i] for s in series) for i in range(n)],
+                                [max(s[i] for s in series) for i in range(n)], color=line.get_color(), alpha=0.2)
+        ax.set_title(f"{key} (trailing {WINDOW}-step mean)")
+        ax.set_xlabel("RL step")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=110)
+    plt.close(fig)

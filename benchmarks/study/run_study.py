@@ -709,11 +709,22 @@ class WarmupGate:
             self.ended[(run["group"], run["name"])].set()
 
 
-def stage_report(stage: str, runs: list[dict], out: Path, record: Path) -> str:
-    """The markdown of ``--report`` for ``runs`` of ``stage`` (protocol_report.py defines every column)."""
+def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: Path | None = None) -> str:
+    """The markdown of ``--report`` for ``runs`` of ``stage`` (protocol_report.py defines every column);
+    with ``figure``, also the stage's curves there: one line per sweep point, or per arm (the mean over its
+    seeds with a min-max band) for the exploration and the confirmation."""
+    def metrics(r):
+        return protocol_report.read_metrics([run_dir(out, r), record / r["group"] / r["name"]])
+
     def stats(r):
-        recs = protocol_report.read_metrics([run_dir(out, r), record / r["group"] / r["name"]])
-        return protocol_report.run_stats(recs)
+        return protocol_report.run_stats(metrics(r))
+
+    if figure is not None:
+        groups: dict[str, list[list[dict]]] = {}
+        for r in runs:
+            name = r["name"].rsplit("/", 1)[0]  # without /seedN: the seeds of one arm share a line
+            groups.setdefault(name, []).append(metrics(r))
+        protocol_report.curves_figure(groups, figure)
 
     if stage == "sweep":
         rows = [(p, SWEEP[p], stats(r), r["steps"]) for r in runs for p in [r["name"].rsplit("/", 1)[0]]]
@@ -767,6 +778,7 @@ def main() -> None:
     r.add_argument("--report", action="store_true",
                    help="--stage: print the stage's markdown tables (protocol_report.py) from the runs in --out "
                         "or their records; run nothing")
+    r.add_argument("--figure", default="", help="--report: also write the stage's curves to this PNG")
     r.add_argument("--plan", action="store_true",
                    help="print the remaining work in chunks with time estimates; run nothing")
     r.add_argument("--chunk-hours", type=float, default=2.0, help="largest estimated wall time of a chunk")
@@ -798,7 +810,7 @@ def main() -> None:
     if args.report:
         if not args.stage:
             raise SystemExit("--report needs --stage (sweep, explore or confirm)")
-        print(stage_report(args.stage, runs, out, record))
+        print(stage_report(args.stage, runs, out, record, Path(args.figure) if args.figure else None))
         return
     rows = annotate(runs, out, record, args.steps)
     budget = args.chunk_hours * 3600
