@@ -91,8 +91,8 @@ def bootstrap_interval(diffs: list[float], n: int = BOOTSTRAP, seed: int = 0) ->
 
 def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
     """``rows``: (point, its overrides, run_stats, planned steps)."""
-    out = ["| point | overrides | steps | reward first 10 | last 10 | gain | accuracy first 10 | last 10 | "
-           "alpha_bf16 | neg push | low clip | entropy first 10 | last 10 | step s | target |",
+    out = [("| point | overrides | steps | reward first 10 | last 10 | gain | accuracy first 10 | last 10 | "
+            "alpha_bf16 | neg push | low clip | entropy first 10 | last 10 | step s | target |"),
            "|" + " --- |" * 15]
     for name, overrides, s, planned in rows:
         if s["steps"] == 0:
@@ -112,8 +112,8 @@ def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
 
 def arms_table(rows: list[tuple[str, dict, int]]) -> str:
     """``rows``: (run name, run_stats, planned steps), for exploration and confirmation runs."""
-    out = ["| run | steps | reward last 10 | gain | accuracy last 10 | alpha_bf16 | neg push | low clip | "
-           "entropy last 10 | garbled steps |", "|" + " --- |" * 10]
+    out = [("| run | steps | reward last 10 | gain | accuracy last 10 | alpha_bf16 | neg push | low clip | "
+            "entropy last 10 | garbled steps |"), "|" + " --- |" * 10]
     for name, s, planned in rows:
         out.append(f"| {name} | {s['steps']}/{planned} | {_f(s['reward_last10'])} | {_f(s['gain'], '+.3f')} | "
                    f"{_f(s['acc_last10'])} | {_f(s['alpha_bf16'], '.4f')} | {_f(s['neg_push'], '+.4f')} | "
