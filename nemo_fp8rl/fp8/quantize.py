@@ -267,26 +267,23 @@ def _group_cast(
     (``divide``: ``float32(q) / s``) back in x's shape as ``out_dtype``. n_saturated (int64 []) counts
     |x * s| > M when ``count_saturated`` (a given delayed scale), else None.
     """
-    if fake and torch.compiler.is_compiling() and granularity not in ("tensor", "row"):
-        # compiled read-back of block/tile groups: stay in x's own layout and broadcast each group's
-        # scale to its elements (an index expression in the fused loop), so the padded grouped
-        # read-back is never materialised and copied back (that cost 8 B per element on top of the
-        # ideal 8: 20 vs 12 B/el measured by benchmarks/bench_fp8_linear.py). Same values as the
-        # grouped path element for element (bit-equal to eager, tests/fp8/test_fused.py).
-        s_x = _scales_in_layout(s, x, granularity, d, block)
-        scaled = x.float() * s_x
-        n_sat = (scaled.abs() > f.max).sum() if count_saturated else None
-        data = cast_to_fp8(scaled, f)
-        inv = s_x if divide else _scales_in_layout(1.0 / s, x, granularity, d, block)
-        read_back = data.float() / inv if divide else data.float() * inv
-        return read_back.to(out_dtype), n_sat
-    scaled = _grouped(x.float(), granularity, d, block) * s
+    # compiled read-back of block/tile groups: stay in x's own layout and broadcast each group's scale to
+    # its elements (an index expression in the fused loop), so the padded grouped read-back is never
+    # materialised and copied back (8 B per element more: 20 vs 12 B/el, benchmarks/bench_fp8_linear.py).
+    # The same values element for element, so bit-equal to eager (tests/fp8/test_fused.py).
+    in_layout = fake and torch.compiler.is_compiling() and granularity not in ("tensor", "row")
+    s_g = _scales_in_layout(s, x, granularity, d, block) if in_layout else s
+    scaled = (x.float() if in_layout else _grouped(x.float(), granularity, d, block)) * s_g
     n_sat = (scaled.abs() > f.max).sum() if count_saturated else None
     data = cast_to_fp8(scaled, f)
     if not fake:
         return data, n_sat
-    read_back = data.float() / s if divide else data.float() * (1.0 / s)
-    return _from_layout(read_back, x, granularity, d).to(out_dtype), n_sat
+    if divide:
+        read_back = data.float() / s_g
+    else:
+        inv = 1.0 / s
+        read_back = data.float() * (_scales_in_layout(inv, x, granularity, d, block) if in_layout else inv)
+    return (read_back if in_layout else _from_layout(read_back, x, granularity, d)).to(out_dtype), n_sat
 
 
 def _scales_in_layout(
