@@ -101,7 +101,13 @@ def _child(name: str, result: Path, deadline: float, dry: bool, out: Path) -> No
 
     def on_term(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise _Terminated(f"signal {signum}: the part's timeout")
+        err = _Terminated(f"signal {signum}: the part's timeout")
+        # Record and save here, before raising: the raise can land inside native code (an import's C++
+        # initialisation, seen in CI) where it aborts the process (rc -6) before the except below runs.
+        ctx.res["error"] = f"{type(err).__name__}: {err}"
+        ctx.res["traceback"] = ctx.res.get("traceback", "") + "".join(traceback.format_stack(frame))[-6000:]
+        ctx.save()
+        raise err
 
     signal.signal(signal.SIGTERM, on_term)
     try:
@@ -109,8 +115,9 @@ def _child(name: str, result: Path, deadline: float, dry: bool, out: Path) -> No
         if ret:
             ctx.res.update(ret)
     except (Exception, _Terminated) as e:  # noqa: BLE001  (record, and let the runner go on)
-        ctx.res["error"] = f"{type(e).__name__}: {e}"[:2000]
-        ctx.res["traceback"] = ctx.res.get("traceback", "") + traceback.format_exc()[-6000:]
+        if not isinstance(e, _Terminated):  # on_term has recorded a timeout already
+            ctx.res["error"] = f"{type(e).__name__}: {e}"[:2000]
+            ctx.res["traceback"] = ctx.res.get("traceback", "") + traceback.format_exc()[-6000:]
     ctx.save()
 
 
