@@ -55,10 +55,16 @@ demo-real: $(VENV)/.installed-real
 	$(PY) -m nemo_fp8rl.models_cli fetch smollm2-135m
 	$(PY) -m nemo_fp8rl.demo --real
 
-test: install-test
-	@if [ "$(SLURM)" = 1 ] && [ "$$(id -u)" = 0 ]; then timeout 600 scripts/slurm_local.sh || \
-		echo "make test: the local SLURM cluster did not start; the slurm tests will be skipped"; fi
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+# SLURM is installed and started in the background while pip installs the test extras (on a clean CI
+# container both are minutes of mostly waiting on package downloads and unpacking); pytest starts when both are done.
+test:
+	@set -e; slurm=; \
+	if [ "$(SLURM)" = 1 ] && [ "$$(id -u)" = 0 ]; then \
+		{ timeout 600 scripts/slurm_local.sh || \
+			echo "make test: the local SLURM cluster did not start; the slurm tests will be skipped"; } & slurm=$$!; fi; \
+	$(MAKE) --no-print-directory install-test; \
+	if [ -n "$$slurm" ]; then wait $$slurm; fi
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 lint: install-test
 	$(PIP) install -q ruff && $(VENV)/bin/ruff check nemo_fp8rl tests benchmarks
