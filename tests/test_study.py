@@ -143,7 +143,12 @@ def test_protocol_stages_plan_arms_and_fresh_confirmation_seeds():
     sweep = mod.stage_runs(_stage_args(mod, "stage=sweep"))
     assert [r["name"] for r in sweep] == [f"{p}/seed1" for p in mod.SWEEP] and {r["arm"] for r in sweep} == {"bf16"}
     explore = {r["name"]: r for r in mod.stage_runs(_stage_args(mod, "stage=explore", "regime=lr1e-5"))}
-    assert "lr1e-5/bf16/seed1" in explore and "lr1e-5/e5m2/fp8/seed1" in explore
+    assert "lr1e-5/e5m2/fp8/seed1" in explore
+    # the regime's BF16 reference is the sweep's run of that point (same overrides, seed and steps)
+    ref = explore["lr1e-5/seed1"]
+    assert ref["group"] == "sweep" and ref["overrides"] == {r["name"]: r for r in sweep}["lr1e-5/seed1"]["overrides"]
+    longer = mod.stage_runs(_stage_args(mod, "stage=explore", "regime=lr1e-5", "explore_steps=150"))
+    assert [(r["group"], r["name"]) for r in longer][0] == ("explore", "lr1e-5/bf16/seed1")
     assert "lr1e-5/e5m2/bf16/seed1" not in explore  # an FP8-only condition shares the regime's BF16 run
     assert "lr1e-5/kv_e4m3_static/bf16/seed1" not in explore  # rollout.fp8.* is FP8-only too
     assert explore["lr1e-5/kv_e4m3_static_len64/bf16/seed1"]["overrides"][-3] == "rollout.max_new_tokens=64"

@@ -30,7 +30,8 @@ exploration's runs, the confirmation's runs and its paired per-seed differences 
   size, task and difficulty, response format and length), seed :data:`SWEEP_SEED`, ``--sweep-steps``.
 * ``explore``: on the ``--regime`` sweep point, seed :data:`EXPLORE_SEED`: BF16 and fixed-clip FP8
   (``calibration=measure``) under each condition of :data:`EXPLORE` (a condition's non-FP8 overrides, e.g.
-  the learning rate or the response length, apply to its BF16 reference too), ``--explore-steps``.
+  the learning rate or the response length, apply to its BF16 reference too), ``--explore-steps``. The
+  regime's own BF16 reference is the sweep's run of that point when the seeds and steps agree.
 * ``confirm``: on the ``--regime`` and the exploration's ``--condition``, ``--confirm-seeds`` (never a
   sweep or exploration seed: refused), the arms of :data:`PROTOCOL_ARMS`: bf16, fp8 (fixed clip),
   fp8_calibrated (``calibration=paper``) and fp8_calibrated_upper_fixed (``calibration.upper_mode=fixed``),
@@ -328,8 +329,12 @@ def stage_runs(args) -> list[dict]:
         return extra, [o for o in extra if not o.startswith(FP8_KEYS)]  # (FP8 arms', BF16 reference's)
 
     if args.stage == "explore":
-        runs = [run(f"{args.regime}/bf16", EXPLORE_SEED, args.explore_steps, "bf16",
-                    [*regime, *PROTOCOL_ARMS["bf16"]])]
+        ref = run(f"{args.regime}/bf16", EXPLORE_SEED, args.explore_steps, "bf16", [*regime, *PROTOCOL_ARMS["bf16"]])
+        if EXPLORE_SEED == SWEEP_SEED and args.explore_steps == args.sweep_steps:
+            # the sweep's run of this point has the same overrides, seed and steps, and a run is deterministic
+            # on CPU: it is the reference (a second run would repeat it step for step, ~1.7 h)
+            ref = dict(ref, group="sweep", name=f"{args.regime}/seed{SWEEP_SEED}")
+        runs = [ref]
         for cond in _select(args.conditions, EXPLORE):
             extra, shared = condition(cond)
             if shared:  # a condition that changes more than FP8 has its own BF16 reference
