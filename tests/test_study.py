@@ -320,14 +320,14 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     out, record = tmp_path / "out", tmp_path / "record"
     _write_metrics(out / "sweep" / "lr1e-5" / "seed1", [0.2] * 10 + [0.3] * 80 + [0.4] * 10, alpha=0.02)
     _write_metrics(record / "sweep" / "lr3e-5" / "seed1", [0.2] * 90 + [0.4] * 10, alpha=0.0)  # alpha misses
-    _write_metrics(out / "sweep" / "base" / "seed1", [0.2] * 40)  # still running
+    _write_metrics(out / "sweep" / "base" / "seed1", [0.2] * 40)  # unfinished (running or stopped)
     runs = mod.stage_runs(_stage_args(mod, "stage=sweep", "points=base,lr1e-5,lr3e-5"))
     md = mod.stage_report("sweep", runs, out, record, figure=tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     lines = {ln.split(" | ")[0].lstrip("| "): ln for ln in md.splitlines()[2:]}
     assert lines["lr1e-5"].endswith("| **met** |") and "| +0.200 |" in lines["lr1e-5"]
     assert lines["lr3e-5"].endswith("| no |") and "| 100/100 |" in lines["lr3e-5"]
-    assert lines["base"].endswith("| running (40/100) |")
+    assert lines["base"].endswith("| unfinished (40/100) |")
 
     diffs = [0.05, -0.01, 0.03]
     lo, hi = pr.bootstrap_interval(diffs)

@@ -98,7 +98,7 @@ def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
         if s["steps"] == 0:
             verdict = "not run"
         elif s["steps"] < planned:
-            verdict = f"running ({s['steps']}/{planned})"
+            verdict = f"unfinished ({s['steps']}/{planned})"
         else:
             ok = (s["gain"] or 0) >= GAIN_TARGET and (s["alpha_bf16"] or 0) >= ALPHA_TARGET
             verdict = "**met**" if ok else "no"
