@@ -7,6 +7,7 @@ would now see the other rank's ``metrics.jsonl`` and refuse a fresh run. Everyth
 """
 
 import os
+import sys
 import time
 
 import nemo_fp8rl.trainer as trainer_pkg
@@ -16,6 +17,8 @@ _warmup = trainer_pkg.run_warmup
 
 
 def _slow_warmup(*args, **kwargs):
+    print(f"_delayed_rank_main: rank {os.environ['RANK']} sleeps {os.environ['DELAY_SECONDS']} s", file=sys.stderr,
+          flush=True)  # the test checks that the delay happened
     time.sleep(float(os.environ["DELAY_SECONDS"]))
     return _warmup(*args, **kwargs)
 

@@ -26,7 +26,7 @@ def _launch(out: Path, logs: Path, delay_rank: int, *overrides: str) -> tuple[in
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--log-dir", str(logs), "--redirects", "3", str(HERE / "_delayed_rank_main.py"), *ARGS,
            f"output_dir={out}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     errs = [sorted(logs.glob(f"*/attempt_0/{r}/stderr.log"))[-1].read_text() for r in (0, 1)]
     return proc.returncode, errs
 
@@ -36,16 +36,18 @@ def _steps(out: Path) -> list[int]:
 
 
 def test_two_rank_starts_fresh_resumed_and_refused(tmp_path):
-    # a fresh start with rank 1 the slow one (the failure this guards against)
-    out = tmp_path / "fresh1"
-    rc, errs = _launch(out, tmp_path / "logs_fresh1", 1, "trainer.max_steps=1")
-    assert rc == 0, errs
-    assert _steps(out) == [0]
-    assert not any("cannot start" in e for e in errs)
+    # fresh starts, each rank in turn the slow one (the delay is in the warm-up, which a resumed run skips)
+    for delay_rank in (1, 0):
+        out = tmp_path / f"fresh{delay_rank}"
+        rc, errs = _launch(out, tmp_path / f"logs_fresh{delay_rank}", delay_rank, "trainer.max_steps=1")
+        assert rc == 0, errs
+        assert _steps(out) == [0]
+        assert not any("cannot start" in e for e in errs)
+        assert f"rank {delay_rank} sleeps 3 s" in errs[delay_rank] and "sleeps" not in errs[1 - delay_rank]
 
-    # resume=true on that run with rank 0 the slow one (three launches cover both orders; CI time):
-    # every rank resumes from the same checkpoint
-    rc, errs = _launch(out, tmp_path / "logs_resume", 0, "trainer.max_steps=2", "resume=true")
+    # resume=true on an existing run: every rank resumes from the same checkpoint
+    out = tmp_path / "fresh1"
+    rc, errs = _launch(out, tmp_path / "logs_resume", 1, "trainer.max_steps=2", "resume=true")
     assert rc == 0, errs
     assert _steps(out) == [0, 1]
     assert f"resumed from {out}/checkpoints/step_1" in errs[0] + errs[1]
