@@ -21,7 +21,6 @@ generator seed). With 3 seeds the bootstrap takes at most 10 distinct values, so
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -32,21 +31,11 @@ BOOTSTRAP = 10_000
 
 
 def read_metrics(paths: list[Path]) -> list[dict]:
-    """The longest complete ``metrics.jsonl`` among ``paths`` (run dir, record); a cut last line is dropped."""
-    best: list[dict] = []
-    for d in paths:
-        f = d / "metrics.jsonl"
-        if not f.is_file():
-            continue
-        recs = []
-        for line in f.read_text().splitlines():
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-        if len(recs) > len(best):
-            best = recs
-    return best
+    """The longest ``metrics.jsonl`` among ``paths`` (run dir, record), as the trainer's logger reads it (a cut
+    last line is skipped)."""
+    from nemo_fp8rl.trainer.logger import read_metrics as read_jsonl
+
+    return max((read_jsonl(str(d)) for d in paths), key=len, default=[])
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -375,17 +375,7 @@ def run_dir(out: Path, run: dict) -> Path:
 
 def steps_logged(d: Path) -> int:
     """Steps in ``d/metrics.jsonl`` (a cut last line, from a killed run, is not counted)."""
-    m = d / "metrics.jsonl"
-    if not m.is_file():
-        return 0
-    n = 0
-    for line in m.read_text().splitlines():
-        try:
-            json.loads(line)
-        except json.JSONDecodeError:
-            break
-        n += 1
-    return n
+    return len(protocol_report.read_metrics([d]))
 
 
 def latest_checkpoint(d: Path) -> int | None:
@@ -718,28 +708,24 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
     """The markdown of ``--report`` for ``runs`` of ``stage`` (protocol_report.py defines every column);
     with ``figure``, also the stage's curves there: one line per sweep point, or per arm (the mean over its
     seeds with a min-max band) for the exploration and the confirmation."""
-    def metrics(r):
-        return protocol_report.read_metrics([run_dir(out, r), record / r["group"] / r["name"]])
-
-    def stats(r):
-        return protocol_report.run_stats(metrics(r))
+    recs = [protocol_report.read_metrics([run_dir(out, r), record / r["group"] / r["name"]]) for r in runs]
+    stats = [protocol_report.run_stats(m) for m in recs]
 
     if figure is not None:
         groups: dict[str, list[list[dict]]] = {}
-        for r in runs:
+        for r, m in zip(runs, recs):
             name = r["name"].rsplit("/", 1)[0]  # without /seedN: the seeds of one arm share a line
-            groups.setdefault(name, []).append(metrics(r))
+            groups.setdefault(name, []).append(m)
         protocol_report.curves_figure(groups, figure)
 
     if stage == "sweep":
-        rows = [(p, SWEEP[p], stats(r), r["steps"]) for r in runs for p in [r["name"].rsplit("/", 1)[0]]]
+        rows = [(p, SWEEP[p], s, r["steps"]) for r, s in zip(runs, stats) for p in [r["name"].rsplit("/", 1)[0]]]
         return protocol_report.sweep_table(rows)
-    table = protocol_report.arms_table([(r["name"], stats(r), r["steps"]) for r in runs])
+    table = protocol_report.arms_table([(r["name"], s, r["steps"]) for r, s in zip(runs, stats)])
     if stage == "explore":
         return table
     last10: dict[str, dict[int, float]] = {}
-    for r in runs:
-        s = stats(r)
+    for r, s in zip(runs, stats):
         if s["steps"] >= r["steps"]:
             last10.setdefault(r["arm"], {})[r["seed"]] = s["reward_last10"]
     pairs = [("fp8_calibrated", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16"),
