@@ -125,6 +125,26 @@ def test_a_part_past_its_timeout_is_recorded_and_the_summary_written(tmp_path):
     assert (tmp_path / "tracebacks.txt").is_file()
 
 
+def test_a_timeout_is_recorded_even_when_the_child_then_aborts(tmp_path, monkeypatch):
+    """CI once saw the runner's SIGTERM raise inside native import code, which turned the exception into
+    std::terminate (rc -6) before the child's except could record it. The handler now saves the timeout
+    first: a part that aborts on the raise (what such a native frame does) still leaves the record."""
+    (tmp_path / "part_abort_on_raise.py").write_text(
+        "import os, time\n"
+        "def run(ctx):\n"
+        "    ctx.res['partial'] = 1\n"
+        "    ctx.save()\n"
+        "    try:\n"
+        "        time.sleep(120)\n"
+        "    except BaseException:\n"
+        "        os.abort()\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    res = runner._run_part("abort_on_raise", 3.0, True, tmp_path, tmp_path)
+    assert res["child_rc"] == -6 and res["failed"].startswith("timed out after 3s")
+    assert res["error"].startswith("_Terminated: signal 15") and "time.sleep(120)" in res["traceback"]
+    assert res["partial"] == 1  # what the part had saved is kept
+
+
 def test_budget_table_sums_to_the_default_and_fits_the_device_command():
     """One table: the parts the H200 runs (no TE, no vLLM) have caps summing to the runner's default budget,
     which run.sh takes (runner.py --print-budget, no number of its own), and with the time outside the
