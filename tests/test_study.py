@@ -336,3 +336,29 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
                             [("fp8_calibrated", "fp8"), ("fp8", "bf16")])
     assert "| fp8_calibrated - fp8 | 3 | 11: +0.050, 12: -0.010, 13: +0.030 | +0.023 |" in table
     assert "| fp8 - bf16 | 0 | - | - | - |" in table
+
+
+def test_rollout_accuracy_arms_are_the_explorations_and_the_interval_is_paired():
+    """benchmarks/study/rollout_accuracy.py samples the step-0 policy with exactly the exploration's bf16 and
+    fp8 overrides (they differ only in FP8 keys and the arm's own), and its interval is over prompts."""
+    import numpy as np
+
+    sys.path.insert(0, str(RUN_STUDY.parent))
+    import rollout_accuracy as ra
+    import run_study
+
+    bf16 = ra.arm_overrides("lr1e-5_easy", "tensorwise", "bf16")
+    fp8 = ra.arm_overrides("lr1e-5_easy", "tensorwise", "fp8")
+    assert "fp8=tensorwise" in fp8 and not any(o.startswith("fp8=t") for o in bf16)
+    shared = [o for o in fp8 if not o.startswith(run_study.FP8_KEYS)
+              and o not in run_study.PROTOCOL_ARMS["fp8"]]
+    assert shared == [o for o in bf16 if o not in run_study.PROTOCOL_ARMS["bf16"]]
+    assert "task.dataset_kwargs.max_digits=1" in shared
+    e5m2 = ra.arm_overrides("lr1e-5_easy", "e5m2", "fp8")
+    assert "fp8.fp8_format=e5m2" in e5m2
+    # a constant per-prompt difference has a zero-width interval at that value; otherwise the mean lies inside
+    lo, hi = ra.paired_ci(np.full(50, 0.25), 2000, 0)
+    assert lo == hi == 0.25
+    d = np.random.default_rng(1).normal(-0.1, 0.3, 200)
+    lo, hi = ra.paired_ci(d, 4000, 0)
+    assert lo < d.mean() < hi and hi - lo < 0.2
