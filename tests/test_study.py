@@ -337,6 +337,18 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     assert "| fp8_calibrated - fp8 | 3 | 11: +0.050, 12: -0.010, 13: +0.030 | +0.023 |" in table
     assert "| fp8 - bf16 | 0 | - | - | - |" in table
 
+    # the confirmation's report: both measures, per seed, over the seeds both arms finished
+    confirm = mod.stage_runs(_stage_args(mod, "stage=confirm", "regime=lr1e-5_easy", "condition=blockwise",
+                                         "confirm_seeds=11,12", "confirm_steps=20"))
+    curves = {"bf16": [0.5] * 10 + [0.9] * 10, "fp8": [0.4] * 10 + [0.6] * 10}
+    for r in confirm:
+        if r["arm"] in curves and not (r["arm"] == "fp8" and r["seed"] == 12):  # fp8 seed 12 unfinished
+            _write_metrics(out / "confirm" / r["name"], curves[r["arm"]])
+    md = mod.stage_report("confirm", confirm, out, record)
+    assert "| fp8 - bf16 | 1 | 11: -0.300 | -0.300 | [-0.300, -0.300] |" in md  # last 10: 0.6 - 0.9
+    assert "| comparison (reward over all steps) |" in md
+    assert "| fp8 - bf16 | 1 | 11: -0.200 | -0.200 | [-0.200, -0.200] |" in md  # all: 0.5 - 0.7
+
 
 def test_rollout_accuracy_arms_are_the_explorations_and_the_interval_is_paired():
     """benchmarks/study/rollout_accuracy.py samples the step-0 policy with exactly the exploration's bf16 and

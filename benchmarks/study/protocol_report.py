@@ -8,14 +8,16 @@ means over the step's responses):
 
 * ``first10`` / ``last10``: the mean over the first and the last 10 logged steps; ``gain`` = last10 - first10
   (issue 28's target for the BF16 regime: gain >= 0.15 within at most 150 steps);
+* ``reward_all``: the mean reward over every logged step (the area under the learning curve over the number
+  of steps; the confirmation's secondary measure: it sees an arm that learns more slowly and then catches up);
 * ``alpha_bf16``: mean ``calib/alpha_bf16`` over the calibration steps that measured (``calib/skipped`` 0):
   the share of negative-advantage tokens BF16 ratios clip (target >= 0.01);
 * ``neg_push``: mean ``calib/neg_push`` over those steps (the BF16 log-prob change the update gave the
   negative-advantage tokens; nemo_fp8rl/algorithms/push.py);
 * ``low clip``: mean ``clip/low_frac``; ``step s``: mean ``timing/step``.
 
-The confirmation's paired comparison: per seed, the difference of two arms' ``last10`` reward (same seed,
-same prompts); its mean over seeds with a percentile bootstrap interval over seeds (10,000 resamples, fixed
+The confirmation's paired comparison: per seed, the difference of two arms' ``last10`` reward (the primary
+measure; ``reward_all`` the secondary one) (same seed, same warm-up, same first prompts); its mean over seeds with a percentile bootstrap interval over seeds (10,000 resamples, fixed
 generator seed). With 3 seeds the bootstrap takes at most 10 distinct values, so the interval is coarse.
 """
 
@@ -53,7 +55,7 @@ def run_stats(recs: list[dict]) -> dict:
     first, last = _mean(reward[:WINDOW]), _mean(reward[-WINDOW:])
     return {
         "steps": len(recs),
-        "reward_first10": first, "reward_last10": last,
+        "reward_first10": first, "reward_last10": last, "reward_all": _mean(reward),
         "gain": None if first is None or last is None else last - first,
         "acc_first10": _mean(acc[:WINDOW]), "acc_last10": _mean(acc[-WINDOW:]),
         "entropy_first10": _mean(ent[:WINDOW]), "entropy_last10": _mean(ent[-WINDOW:]),
@@ -110,10 +112,12 @@ def arms_table(rows: list[tuple[str, dict, int]]) -> str:
     return "\n".join(out)
 
 
-def paired_table(last10: dict[str, dict[int, float]], pairs: list[tuple[str, str]]) -> str:
-    """``last10[arm][seed]``: a finished run's last-10 reward. Per pair (a, b): a - b per seed, the mean
-    and its bootstrap interval over the seeds both arms finished."""
-    out = ["| comparison | seeds | per seed (a - b) | mean | 95% bootstrap interval |", "|" + " --- |" * 5]
+def paired_table(last10: dict[str, dict[int, float]], pairs: list[tuple[str, str]], measure: str = "last 10") -> str:
+    """``last10[arm][seed]``: a finished run's reward measure (``measure`` names it in the header: the last-10
+    mean, or the mean over all steps). Per pair (a, b): a - b per seed, the mean and its bootstrap interval
+    over the seeds both arms finished."""
+    out = [f"| comparison (reward {measure}) | seeds | per seed (a - b) | mean | 95% bootstrap interval |",
+           "|" + " --- |" * 5]
     for a, b in pairs:
         seeds = sorted(set(last10.get(a, {})) & set(last10.get(b, {})))
         diffs = [last10[a][s] - last10[b][s] for s in seeds]
