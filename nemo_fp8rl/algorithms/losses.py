@@ -301,7 +301,10 @@ def _policy_metrics(
             dual_frac = (neg & (ratio > dual_clip)).sum() / n_neg if dual_clip is not None else zero
         else:
             low_frac = high_frac = dual_frac = zero
-        as_t = lambda b: torch.as_tensor(b, dtype=torch.float32, device=ratio.device).detach().reshape(())
+
+        def as_t(b):
+            return torch.as_tensor(b, dtype=torch.float32, device=ratio.device).detach().reshape(())
+
         return {
             "clip/low_frac": (low_frac.to(ratio.dtype), "mean"),
             "clip/high_frac": (high_frac.to(ratio.dtype), "mean"),

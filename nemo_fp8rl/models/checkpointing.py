@@ -32,7 +32,6 @@ only DP rank 0's copy is written.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, Optional
 
 import torch

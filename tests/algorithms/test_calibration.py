@@ -18,7 +18,9 @@ from ._dist_cases import CALIB_KW, calibration_shards, step_data
 
 EPS_L, EPS_H = 0.2, 0.28
 L0, H0 = 1 - EPS_L, 1 + EPS_H
-f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))
+def f32(v):
+    return float(torch.tensor(v, dtype=torch.float32))
+
 
 
 def _flat(neg_r, neg_rho, pos_r, pos_rho, neg_a=None, pos_a=None):
@@ -221,7 +223,9 @@ def test_property_lower_quantile_matches_bf16_count(neg_r, data, eps_low):
     l0 = torch.tensor(1 - eps_low, dtype=torch.float32)
     k = int((rho[:n] < l0).sum())
     assert res.alpha_bf16 == k / n
-    below = lambda bound: int((r[:n] < torch.tensor(bound, dtype=torch.float32)).sum())
+    def below(bound):
+        return int((r[:n] < torch.tensor(bound, dtype=torch.float32)).sum())
+
     assert below(res.lower_raw) == math.floor(res.alpha_bf16 * n + 1e-9) == k
     if 0.05 < res.lower_raw <= 1 - eps_low:  # guards do not bind
         assert (
@@ -270,7 +274,9 @@ def test_property_balance_upper_monotone_and_minimal(pos, mass_neg, p1, p2):
     h2 = balance_upper(r, a, mass_pos_ref=max(p1, p2), **kw)
     assert H0 <= h1 <= h2 <= 3.0
     target = max(p1, p2) * mass_neg
-    mp = lambda h: sum(x * y for x, y in zip(r.tolist(), a.tolist()) if x <= f32(h))
+    def mp(h):
+        return sum(x * y for x, y in zip(r.tolist(), a.tolist()) if x <= f32(h))
+
     if h2 < 3.0:
         assert mp(h2) >= target * (1 - 1e-9)
     if h2 > H0:

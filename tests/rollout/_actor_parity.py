@@ -17,12 +17,12 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from conftest import random_hf_weights
+from conftest import random_hf_weights  # noqa: E402 (after the sys.path insert)
 
-from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
-from nemo_fp8rl.fp8 import get_recipe
-from nemo_fp8rl.models import build_actor
-from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
+from nemo_fp8rl.config.model import ModelConfig, ParallelConfig  # noqa: E402 (after the sys.path insert)
+from nemo_fp8rl.fp8 import get_recipe  # noqa: E402 (after the sys.path insert)
+from nemo_fp8rl.models import build_actor  # noqa: E402 (after the sys.path insert)
+from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine  # noqa: E402 (after the sys.path insert)
 
 EOS, PAD = 2, 0
 # vocab 21 is padded to 24 rows inside Megatron: the trainer's log-softmax must ignore the padding, as
