@@ -368,6 +368,9 @@ def test_rollout_accuracy_arms_are_the_explorations_and_the_interval_is_paired()
     assert "task.dataset_kwargs.max_digits=1" in shared
     e5m2 = ra.arm_overrides("lr1e-5_easy", "e5m2", "fp8")
     assert "fp8.fp8_format=e5m2" in e5m2
+    # a condition that also changes the learning rate compares against its own BF16 reference, at that rate
+    assert run_study._last(ra.arm_overrides("lr1e-5_easy", "2xlr", "bf16"), "optim.lr") == "2e-05"
+    assert run_study._last(bf16, "optim.lr") == "1e-5"
     # a constant per-prompt difference has a zero-width interval at that value; otherwise the mean lies inside
     lo, hi = ra.paired_ci(np.full(50, 0.25), 2000, 0)
     assert lo == hi == 0.25

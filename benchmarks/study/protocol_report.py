@@ -17,8 +17,9 @@ means over the step's responses):
 * ``low clip``: mean ``clip/low_frac``; ``step s``: mean ``timing/step``.
 
 The confirmation's paired comparison: per seed, the difference of two arms' ``last10`` reward (the primary
-measure; ``reward_all`` the secondary one) (same seed, same warm-up, same first prompts); its mean over seeds with a percentile bootstrap interval over seeds (10,000 resamples, fixed
-generator seed). With 3 seeds the bootstrap takes at most 10 distinct values, so the interval is coarse.
+measure; ``reward_all`` the secondary one), both runs of one seed sharing its warm-up and prompt stream;
+its mean over seeds with a percentile bootstrap interval over seeds (10,000 resamples, fixed generator
+seed). With 3 seeds the bootstrap takes at most 10 distinct values, so the interval is coarse.
 """
 
 from __future__ import annotations
@@ -112,15 +113,15 @@ def arms_table(rows: list[tuple[str, dict, int]]) -> str:
     return "\n".join(out)
 
 
-def paired_table(last10: dict[str, dict[int, float]], pairs: list[tuple[str, str]], measure: str = "last 10") -> str:
-    """``last10[arm][seed]``: a finished run's reward measure (``measure`` names it in the header: the last-10
+def paired_table(by_seed: dict[str, dict[int, float]], pairs: list[tuple[str, str]], measure: str = "last 10") -> str:
+    """``by_seed[arm][seed]``: a finished run's reward measure (``measure`` names it in the header: the last-10
     mean, or the mean over all steps). Per pair (a, b): a - b per seed, the mean and its bootstrap interval
     over the seeds both arms finished."""
     out = [f"| comparison (reward {measure}) | seeds | per seed (a - b) | mean | 95% bootstrap interval |",
            "|" + " --- |" * 5]
     for a, b in pairs:
-        seeds = sorted(set(last10.get(a, {})) & set(last10.get(b, {})))
-        diffs = [last10[a][s] - last10[b][s] for s in seeds]
+        seeds = sorted(set(by_seed.get(a, {})) & set(by_seed.get(b, {})))
+        diffs = [by_seed[a][s] - by_seed[b][s] for s in seeds]
         if not diffs:
             out.append(f"| {a} - {b} | 0 | - | - | - |")
             continue

@@ -39,13 +39,29 @@ HELD_OUT_SEED_OFFSET = 1_000_003
 
 
 def arm_overrides(regime: str, condition: str, arm: str) -> list[str]:
-    """The Hydra overrides ``run_study.py --stage explore`` gives ``arm`` (bf16 | fp8) of ``condition``."""
+    """The Hydra overrides ``run_study.py --stage explore`` gives ``arm`` (bf16 | fp8) of ``condition``: for
+    bf16 the condition's own BF16 reference where it has one (a condition that also changes the learning rate
+    or the length), else the regime's."""
     args = argparse.Namespace(stage="explore", regime=regime, conditions=condition, checkpoint_every=10,
                               explore_steps=100, sweep_steps=100)
-    for run in run_study.stage_runs(args):
-        if run["arm"] == arm and (arm == "bf16" or f"/{condition}/" in run["name"]):
-            return list(run["overrides"])
+    runs = [r for r in run_study.stage_runs(args) if r["arm"] == arm]
+    own = [r for r in runs if f"/{condition}/" in r["name"]]
+    if own or (arm == "bf16" and runs):
+        return list((own or runs)[0]["overrides"])
     raise SystemExit(f"no {arm} run for --regime {regime} --condition {condition}")
+
+
+def held_out_batch(trainer, prompts: list, samples: int, gen_seed: int):
+    """``(expanded prompts, RolloutBatch)``: ``samples`` responses per prompt from the trainer's rollout engine,
+    drawn with a generator seeded ``gen_seed`` (the same draws for every arm given the same seed)."""
+    expanded = [p for p in prompts for _ in range(samples)]
+    batch = trainer.engine.generate([p.ids for p in expanded], trainer.sampling, torch.Generator().manual_seed(gen_seed))
+    return expanded, batch
+
+
+def held_out_prompts(trainer, n: int, seed: int) -> list:
+    """``n`` prompts from a generator seeded ``seed + HELD_OUT_SEED_OFFSET`` (the training stream is untouched)."""
+    return trainer.task.prompts(n, generator=torch.Generator().manual_seed(seed + HELD_OUT_SEED_OFFSET))
 
 
 def build(overrides: list[str], seed: int, out: Path, cache_dir: Path):
@@ -65,13 +81,10 @@ def build(overrides: list[str], seed: int, out: Path, cache_dir: Path):
 def sample_arm(trainer, n_prompts: int, samples: int, seed: int, batch_prompts: int) -> dict:
     """``samples`` responses for each of ``n_prompts`` held-out prompts; correct / valid [P, S], lengths."""
     trainer.kv_sync.sync(trainer.engine, trainer.actor.iter_weights())  # the warmed-up weights, as step 0
-    prompts = trainer.task.prompts(n_prompts, generator=torch.Generator().manual_seed(seed + HELD_OUT_SEED_OFFSET))
+    prompts = held_out_prompts(trainer, n_prompts, seed)
     correct, valid, lens = [], [], []
     for start in range(0, n_prompts, batch_prompts):
-        chunk = prompts[start:start + batch_prompts]
-        expanded = [p for p in chunk for _ in range(samples)]
-        gen = torch.Generator().manual_seed(seed * 7_919 + start)  # the same draws in both arms
-        batch = trainer.engine.generate([p.ids for p in expanded], trainer.sampling, gen)
+        expanded, batch = held_out_batch(trainer, prompts[start:start + batch_prompts], samples, seed * 7_919 + start)
         texts = [trainer.task.response_text(r) for r in batch.responses()]
         scores = trainer.task.score(expanded, texts)
         correct.append(scores.correct.float().view(-1, samples))

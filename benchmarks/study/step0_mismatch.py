@@ -42,11 +42,7 @@ def measure(condition: str, regime: str, seed: int, extra: list[str], prompts: i
                            out / ".warmup_cache")
         try:
             trainer.kv_sync.sync(trainer.engine, trainer.actor.iter_weights())
-            chosen = trainer.task.prompts(
-                prompts, generator=torch.Generator().manual_seed(seed + ra.HELD_OUT_SEED_OFFSET))
-            expanded = [p for p in chosen for _ in range(samples)]
-            batch = trainer.engine.generate([p.ids for p in expanded], trainer.sampling,
-                                            torch.Generator().manual_seed(seed * 7_919))
+            _, batch = ra.held_out_batch(trainer, ra.held_out_prompts(trainer, prompts, seed), samples, seed * 7_919)
             t = trainer.cfg.rollout.temperature
             mask = batch.mask.float()
             lp_fp8 = trainer.actor.get_logprobs(batch.tokens, temperature=t)[0]
