@@ -155,6 +155,10 @@ def test_protocol_stages_plan_arms_and_fresh_confirmation_seeds():
     assert explore["lr1e-5/2xlr/bf16/seed1"]["overrides"][-3] == "optim.lr=2e-05"  # {lr2x}: twice the regime's
     confirm = mod.stage_runs(_stage_args(mod, "stage=confirm", "regime=lr1e-5", "condition=e5m2"))
     assert len(confirm) == 3 * 4 and {r["seed"] for r in confirm} == {11, 12, 13}
+    # plan order: every seed of the primary arms, then the ablation's seeds (a session finishes ~2 runs)
+    assert [(r["arm"], r["seed"]) for r in confirm] == [
+        *[(a, s) for s in (11, 12, 13) for a in ("bf16", "fp8", "fp8_calibrated")],
+        *[("fp8_calibrated_upper_fixed", s) for s in (11, 12, 13)]]
     by_arm = {r["arm"]: r["overrides"] for r in confirm if r["seed"] == 11}
     assert set(by_arm) == {"bf16", "fp8", "fp8_calibrated", "fp8_calibrated_upper_fixed"}
     assert by_arm["bf16"][-2:] == ["fp8=off", "calibration=measure"] and "fp8.fp8_format=e5m2" not in by_arm["bf16"]

@@ -245,6 +245,8 @@ PROTOCOL_ARMS = {
     "fp8_calibrated_upper_fixed": ["calibration=paper", "calibration.upper_mode=fixed"],  # the ablation
 }
 """The confirmation's arms (the FP8 recipe comes from the condition); exploration runs bf16 and fp8."""
+PROTOCOL_ABLATION_ARMS = ("fp8_calibrated_upper_fixed",)
+"""The confirmation's ablation arms: planned after every seed of the primary arms."""
 SWEEP_SEED = 1
 EXPLORE_SEED = 1
 SWEEP = {
@@ -355,9 +357,16 @@ def stage_runs(args) -> list[dict]:
             raise SystemExit(f"--confirm-seeds {used} were used by the sweep or the exploration; the "
                              "confirmation needs fresh seeds")
         extra, shared = condition(cond[0])
+        # Plan order: the primary arms (bf16, fp8, fp8_calibrated) seed by seed, then the ablation's seeds.
+        # A session's machine is fresh (checkpoints do not outlive it), so the confirmation advances by
+        # the runs that finish within one session; this order completes the failure-and-repair comparison
+        # before the ablation. The order is fixed before any confirmation result exists; it selects nothing.
+        primary = [a for a in PROTOCOL_ARMS if a not in PROTOCOL_ABLATION_ARMS]
+        order = [(seed, arm) for seed in _seeds(args.confirm_seeds) for arm in primary]
+        order += [(seed, arm) for arm in PROTOCOL_ABLATION_ARMS for seed in _seeds(args.confirm_seeds)]
         return [run(f"{args.regime}/{cond[0]}/{arm}", seed, args.confirm_steps, arm,
                     [*regime, *(shared if arm == "bf16" else extra), *PROTOCOL_ARMS[arm]])
-                for seed in _seeds(args.confirm_seeds) for arm in PROTOCOL_ARMS]
+                for seed, arm in order]
     raise SystemExit(f"--stage {args.stage!r}: choose sweep, explore or confirm")
 
 
