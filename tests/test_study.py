@@ -339,7 +339,13 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     table = pr.paired_table({"fp8_calibrated": {11: 0.5, 12: 0.4, 13: 0.45}, "fp8": {11: 0.45, 12: 0.41, 13: 0.42}},
                             [("fp8_calibrated", "fp8"), ("fp8", "bf16")])
     assert "| fp8_calibrated - fp8 | 3 | 11: +0.050, 12: -0.010, 13: +0.030 | +0.023 |" in table
-    assert "| fp8 - bf16 | 0 | - | - | - |" in table
+    assert "| fp8 - bf16 | 0 | - | - | - | - |" in table
+    # power: 3 seeds, one sign for all needed: gap = sd * Phi^-1(0.8^(1/3)) = 1.464 sd (sd 0.0306 here)
+    assert table.splitlines()[2].endswith("| 0.045 |")
+    assert pr.gap_seen_with_power([0.1]) is None
+    assert abs(pr.gap_seen_with_power([0.0, 0.1, 0.2]) - 0.1 * 1.4640) < 1e-3
+    # the formula's premise: with <= 3 seeds the interval excludes 0 exactly when every difference has one sign
+    assert pr.bootstrap_interval([0.01, 0.2, 0.3])[0] == 0.01 and pr.bootstrap_interval([-0.01, 0.2, 0.3])[0] < 0
 
     # the confirmation's report: both measures, per seed, over the seeds both arms finished
     confirm = mod.stage_runs(_stage_args(mod, "stage=confirm", "regime=lr1e-5_easy", "condition=blockwise",
@@ -349,7 +355,7 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
         if r["arm"] in curves and not (r["arm"] == "fp8" and r["seed"] == 12):  # fp8 seed 12 unfinished
             _write_metrics(out / "confirm" / r["name"], curves[r["arm"]])
     md = mod.stage_report("confirm", confirm, out, record)
-    assert "| fp8 - bf16 | 1 | 11: -0.300 | -0.300 | [-0.300, -0.300] |" in md  # last 10: 0.6 - 0.9
+    assert "| fp8 - bf16 | 1 | 11: -0.300 | -0.300 | [-0.300, -0.300] | - |" in md  # last 10: 0.6 - 0.9
     assert "| comparison (reward over all steps) |" in md
     assert "| fp8 - bf16 | 1 | 11: -0.200 | -0.200 | [-0.200, -0.200] |" in md  # all: 0.5 - 0.7
 

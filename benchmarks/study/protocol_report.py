@@ -20,11 +20,13 @@ The confirmation's paired comparison: per seed, the difference of two arms' ``la
 measure; ``reward_all`` the secondary one), both runs of one seed sharing its warm-up and prompt stream;
 its mean over seeds with a percentile bootstrap interval over seeds (10,000 resamples, fixed generator
 seed). With 3 seeds the bootstrap takes at most 10 distinct values, so the interval is coarse.
+Its power: :func:`gap_seen_with_power` (the column ``gap seen w/ 80% power``).
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 from pathlib import Path
 
 WINDOW = 10
@@ -81,6 +83,28 @@ def bootstrap_interval(diffs: list[float], n: int = BOOTSTRAP, seed: int = 0) ->
     return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
 
 
+def gap_seen_with_power(diffs: list[float], power: float = 0.8) -> float | None:
+    """The smallest true mean gap the paired comparison detects with probability ``power``, at the spread the
+    seeds showed.
+
+    ``diffs`` [k]: the per-seed differences a - b. With k <= 3 seeds the 95% percentile bootstrap interval of
+    their mean excludes 0 exactly when all k differences have one sign (the resample made only of the
+    smallest difference has probability (1/k)^k >= 1/27 > 2.5%, so the interval's ends are the extreme
+    differences). Modelling each seed's difference as Normal(gap, sd^2), independent across seeds, the
+    chance all k lie on the gap's side is Phi(gap / sd)^k, so the gap detected with probability ``power`` is
+
+        gap = sd * Phi^-1(power^(1/k)),   sd = the sample standard deviation of ``diffs`` (k - 1 dof)
+
+    (k = 3, power 0.8: 1.46 sd). A true gap smaller than this would more often than 1 - power be reported
+    as not shown. For k >= 4 the bootstrap rule is less strict than one sign for all, so the value is an upper
+    bound. ``None`` for fewer than 2 seeds (no spread to measure). With 3 seeds the sd itself is uncertain
+    (2 degrees of freedom): read the value as an order of magnitude."""
+    if len(diffs) < 2:
+        return None
+    z = statistics.NormalDist().inv_cdf(power ** (1 / len(diffs)))
+    return statistics.stdev(diffs) * z
+
+
 def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
     """``rows``: (point, its overrides, run_stats, planned steps)."""
     out = [("| point | overrides | steps | reward first 10 | last 10 | gain | accuracy first 10 | last 10 | "
@@ -116,19 +140,20 @@ def arms_table(rows: list[tuple[str, dict, int]]) -> str:
 def paired_table(by_seed: dict[str, dict[int, float]], pairs: list[tuple[str, str]], measure: str = "last 10") -> str:
     """``by_seed[arm][seed]``: a finished run's reward measure (``measure`` names it in the header: the last-10
     mean, or the mean over all steps). Per pair (a, b): a - b per seed, the mean and its bootstrap interval
-    over the seeds both arms finished."""
-    out = [f"| comparison (reward {measure}) | seeds | per seed (a - b) | mean | 95% bootstrap interval |",
-           "|" + " --- |" * 5]
+    over the seeds both arms finished, and :func:`gap_seen_with_power` of those differences."""
+    out = [f"| comparison (reward {measure}) | seeds | per seed (a - b) | mean | 95% bootstrap interval "
+           "| gap seen w/ 80% power |", "|" + " --- |" * 6]
     for a, b in pairs:
         seeds = sorted(set(by_seed.get(a, {})) & set(by_seed.get(b, {})))
         diffs = [by_seed[a][s] - by_seed[b][s] for s in seeds]
         if not diffs:
-            out.append(f"| {a} - {b} | 0 | - | - | - |")
+            out.append(f"| {a} - {b} | 0 | - | - | - | - |")
             continue
         lo, hi = bootstrap_interval(diffs)
         per = ", ".join(f"{s}: {d:+.3f}" for s, d in zip(seeds, diffs))
+        gap = gap_seen_with_power(diffs)
         out.append(f"| {a} - {b} | {len(seeds)} | {per} | {sum(diffs) / len(diffs):+.3f} | "
-                   f"[{lo:+.3f}, {hi:+.3f}] |")
+                   f"[{lo:+.3f}, {hi:+.3f}] | {'-' if gap is None else f'{gap:.3f}'} |")
     return "\n".join(out)
 
 
