@@ -35,7 +35,8 @@ exploration's runs, the confirmation's runs and its paired per-seed differences 
 * ``confirm``: on the ``--regime`` and the exploration's ``--condition``, ``--confirm-seeds`` (never a
   sweep or exploration seed: refused), the arms of :data:`PROTOCOL_ARMS`: bf16, fp8 (fixed clip),
   fp8_calibrated (``calibration=paper``) and fp8_calibrated_upper_fixed (``calibration.upper_mode=fixed``),
-  ``--confirm-steps``.
+  ``--confirm-steps``; planned primary arms seed by seed first, the ablation last
+  (:data:`PROTOCOL_ABLATION_ARMS`).
 
 Every protocol run calibrates (or, bf16 and fixed clip, measures) every :data:`PROTOCOL_CALIB_INTERVAL`
 steps, so every arm logs ``calib/neg_push`` (nemo_fp8rl/algorithms/push.py) on the same steps.
