@@ -354,8 +354,22 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     for r in confirm:
         if r["arm"] in curves and not (r["arm"] == "fp8" and r["seed"] == 12):  # fp8 seed 12 unfinished
             _write_metrics(out / "confirm" / r["name"], curves[r["arm"]])
-    md = mod.stage_report("confirm", confirm, out, record)
+    md = mod.stage_report("confirm", confirm, out, record, figure=tmp_path / "confirm.png")
+    assert (tmp_path / "confirm.png").stat().st_size > 10_000  # reward, accuracy, entropy, low clip, neg push
     assert "| fp8 - bf16 | 1 | 11: -0.300 | -0.300 | [-0.300, -0.300] | - |" in md  # last 10: 0.6 - 0.9
+    # per arm over its finished seeds: mean [lowest, highest]; fp8 has one finished seed, so a bare value
+    assert "| bf16 | 2 | 0.900 [0.900, 0.900] | 0.700 [0.700, 0.700] |" in md
+    assert "| fp8 | 1 | 0.600 | 0.500 |" in md and "-0.0200 [-0.0200, -0.0200]" in md  # neg push, bf16
+    # --samples: the seed's runs, each from its run directory or record, at the first, middle and last step
+    bf16_11 = next(r for r in confirm if r["arm"] == "bf16" and r["seed"] == 11)
+    rec = record / "confirm" / bf16_11["name"]
+    _write_metrics(rec, [0.5] * 20)
+    (rec / "samples.jsonl").write_text("".join(
+        json.dumps({"step": st, "question": f"q{st}", "answer": "3", "response": f"<answer>{st}</answer>",
+                    "reward": float(st == 19), "correct": st == 19, "invalid": False}) + "\n" for st in (0, 7, 19)))
+    text = mod.stage_samples(confirm, out, record, 11)
+    assert "#### lr1e-5_easy/blockwise/bf16\n" in text and "Step 7:" in text and "<answer>19</answer>" in text
+    assert "reward 1.00 (correct)" in text and mod.stage_samples(confirm, out, record, 13) == ""
     assert "| comparison (reward over all steps) |" in md
     assert "| fp8 - bf16 | 1 | 11: -0.200 | -0.200 | [-0.200, -0.200] |" in md  # all: 0.5 - 0.7
 

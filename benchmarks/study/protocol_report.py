@@ -14,7 +14,11 @@ means over the step's responses):
   the share of negative-advantage tokens BF16 ratios clip (target >= 0.01);
 * ``neg_push``: mean ``calib/neg_push`` over those steps (the BF16 log-prob change the update gave the
   negative-advantage tokens; nemo_fp8rl/algorithms/push.py);
-* ``low clip``: mean ``clip/low_frac``; ``step s``: mean ``timing/step``.
+* ``tail gain``: mean ``calib/neg_alt_mass_gain`` over those steps (the probability mass the update moved from
+  the negative-advantage tokens onto their alternatives, in high precision);
+* ``low clip``: mean ``clip/low_frac``; ``step s``: mean ``timing/step``;
+* ``garbled steps`` / ``entropy surges``: the number of steps with ``stability/garbled`` /
+  ``stability/entropy_surge`` set (the degeneracy signals of nemo_fp8rl/algorithms/{degeneracy,mismatch}.py).
 
 The confirmation's paired comparison: per seed, the difference of two arms' ``last10`` reward (the primary
 measure; ``reward_all`` the secondary one), both runs of one seed sharing its warm-up and prompt stream;
@@ -64,9 +68,11 @@ def run_stats(recs: list[dict]) -> dict:
         "entropy_first10": _mean(ent[:WINDOW]), "entropy_last10": _mean(ent[-WINDOW:]),
         "alpha_bf16": _mean([r["calib/alpha_bf16"] for r in calib]),
         "neg_push": _mean([r.get("calib/neg_push") for r in calib]),
+        "tail_gain": _mean([r.get("calib/neg_alt_mass_gain") for r in calib]),
         "calib_steps": len(calib),
         "low_clip": _mean(series("clip/low_frac")),
         "garbled_steps": sum(1 for r in recs if r.get("stability/garbled")),
+        "entropy_surges": sum(1 for r in recs if r.get("stability/entropy_surge")),
         "step_s": _mean(series("timing/step")),
     }
 
@@ -128,12 +134,40 @@ def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
 
 def arms_table(rows: list[tuple[str, dict, int]]) -> str:
     """``rows``: (run name, run_stats, planned steps), for exploration and confirmation runs."""
-    out = [("| run | steps | reward last 10 | gain | accuracy last 10 | alpha_bf16 | neg push | low clip | "
-            "entropy last 10 | garbled steps |"), "|" + " --- |" * 10]
+    out = [("| run | steps | reward last 10 | gain | mean over all steps | accuracy last 10 | alpha_bf16 | neg push | "
+            "tail gain | low clip | entropy last 10 | garbled steps | entropy surges |"), "|" + " --- |" * 13]
     for name, s, planned in rows:
         out.append(f"| {name} | {s['steps']}/{planned} | {_f(s['reward_last10'])} | {_f(s['gain'], '+.3f')} | "
-                   f"{_f(s['acc_last10'])} | {_f(s['alpha_bf16'], '.4f')} | {_f(s['neg_push'], '+.4f')} | "
-                   f"{_f(s['low_clip'], '.4f')} | {_f(s['entropy_last10'])} | {s['garbled_steps']} |")
+                   f"{_f(s['reward_all'])} | {_f(s['acc_last10'])} | {_f(s['alpha_bf16'], '.4f')} | "
+                   f"{_f(s['neg_push'], '+.4f')} | {_f(s['tail_gain'], '+.4f')} | {_f(s['low_clip'], '.4f')} | "
+                   f"{_f(s['entropy_last10'])} | {s['garbled_steps']} | {s['entropy_surges']} |")
+    return "\n".join(out)
+
+
+ARM_COLUMNS = (("reward_last10", "reward last 10", ".3f"), ("reward_all", "mean over all steps", ".3f"),
+               ("acc_last10", "accuracy last 10", ".3f"), ("low_clip", "low clip", ".4f"),
+               ("alpha_bf16", "alpha_bf16", ".4f"), ("neg_push", "neg push", "+.4f"),
+               ("tail_gain", "tail gain", "+.4f"), ("entropy_last10", "entropy last 10", ".3f"))
+
+
+def arm_means_table(by_arm: dict[str, list[dict]]) -> str:
+    """``by_arm[arm]``: the run_stats of its finished runs (one per seed). Per arm, the mean over seeds of each
+    column of :data:`ARM_COLUMNS` with the lowest and highest seed in brackets, and the garbled steps and
+    entropy surges summed over its runs."""
+    out = ["| arm | seeds | " + " | ".join(h for _, h, _ in ARM_COLUMNS) + " | garbled steps | entropy surges |",
+           "|" + " --- |" * (len(ARM_COLUMNS) + 4)]
+    for arm, stats in by_arm.items():
+        cells = []
+        for key, _, fmt in ARM_COLUMNS:
+            xs = [s[key] for s in stats if s[key] is not None]
+            if not xs:
+                cells.append("-")
+            elif len(xs) == 1:
+                cells.append(format(xs[0], fmt))
+            else:
+                cells.append(f"{format(sum(xs) / len(xs), fmt)} [{format(min(xs), fmt)}, {format(max(xs), fmt)}]")
+        out.append(f"| {arm} | {len(stats)} | " + " | ".join(cells) + f" | {sum(s['garbled_steps'] for s in stats)} | "
+                   f"{sum(s['entropy_surges'] for s in stats)} |")
     return "\n".join(out)
 
 
@@ -168,32 +202,53 @@ def _smooth(xs: list[float], k: int = WINDOW) -> list[float]:
     return out
 
 
+def _series(recs: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` over the records that logged it (a calibration metric only on its steps)."""
+    pts = [(int(r.get("step", i)), float(r[key])) for i, r in enumerate(recs) if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
 def curves_figure(groups: dict[str, list[list[dict]]], target: Path,
-                  keys: tuple[str, ...] = ("reward/mean", "policy/entropy", "clip/low_frac")) -> None:
-    """One panel per metric in ``keys``; per group (an arm, or a sweep point) the mean over its runs (seeds)
-    of the trailing 10-step mean, with the band from the lowest to the highest run where there are several.
-    ``groups[name]``: each run's metrics records."""
+                  keys: tuple[str, ...] = ("reward/mean", "reward/accuracy", "policy/entropy", "clip/low_frac",
+                                           "calib/neg_push")) -> None:
+    """One panel per metric in ``keys``; per group (an arm, or a sweep point) the mean over its runs (seeds),
+    with the band from the lowest to the highest run where there are several. A metric every step logs is
+    drawn as its trailing 10-step mean; one logged on some steps only (``calib/*``, on calibration steps) as
+    its raw values at those steps, over the steps every run of the group logged. ``groups[name]``: each run's
+    metrics records."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6))
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.6))
     for ax, key in zip(axes, keys):
+        sparse = False
         for name, runs in groups.items():
-            series = [_smooth([float(r.get(key, 0.0)) for r in recs]) for recs in runs if recs]
-            if not series:
+            logged = [(_series(recs, key), len(recs)) for recs in runs if recs]
+            xs_ys = [xy for xy, _ in logged if xy[0]]
+            if not xs_ys:
                 continue
-            n = min(len(s) for s in series)
+            if any(len(x) < n for (x, _), n in logged if x):
+                sparse = True
+                common = sorted(set.intersection(*(set(x) for x, _ in xs_ys)))
+                series = [[dict(zip(x, y))[s] for s in common] for x, y in xs_ys]
+                steps = common
+            else:
+                series = [_smooth(y) for _, y in xs_ys]
+                steps = list(range(min(len(s) for s in series)))
+            n = len(steps)
             mean = [sum(s[i] for s in series) / len(series) for i in range(n)]
-            line, = ax.plot(range(n), mean, label=f"{name} ({len(series)})")
+            line, = ax.plot(steps, mean, marker="o" if sparse else None, markersize=3,
+                            label=f"{name} ({len(series)})")
             if len(series) > 1:
-                ax.fill_between(range(n), [min(s[i] for s in series) for i in range(n)],
+                ax.fill_between(steps, [min(s[i] for s in series) for i in range(n)],
                                 [max(s[i] for s in series) for i in range(n)], color=line.get_color(), alpha=0.2)
-        ax.set_title(f"{key} (trailing {WINDOW}-step mean)")
+        ax.set_title(f"{key} (calibration steps)" if sparse else f"{key} (trailing {WINDOW}-step mean)",
+                     fontsize=9)
         ax.set_xlabel("RL step")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=110)
+    fig.savefig(target, dpi=100)
     plt.close(fig)

@@ -736,15 +736,34 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
         return table
     last10: dict[str, dict[int, float]] = {}
     every: dict[str, dict[int, float]] = {}
+    by_arm: dict[str, list[dict]] = {}
     for r, s in zip(runs, stats):
         if s["steps"] >= r["steps"]:
             last10.setdefault(r["arm"], {})[r["seed"]] = s["reward_last10"]
             every.setdefault(r["arm"], {})[r["seed"]] = s["reward_all"]
+            by_arm.setdefault(r["arm"], []).append(s)
+    table += "\n\nPer arm over its finished seeds (mean [lowest, highest]):\n\n" + protocol_report.arm_means_table(by_arm)
     pairs = [("fp8_calibrated", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16"),
              ("fp8_calibrated_upper_fixed", "fp8")]
     # primary: the last-10 mean; secondary: the mean over all steps (docs/results.md, the confirmation plan)
     return (table + "\n\n" + protocol_report.paired_table(last10, pairs) + "\n\n"
             + protocol_report.paired_table(every, pairs, measure="over all steps"))
+
+
+def stage_samples(runs: list[dict], out: Path, record: Path, seed: int) -> str:
+    """Markdown of the sample generations (first, middle and last sample step) of ``seed``'s runs of a stage,
+    each read from its run directory or its record: one with samples, and of those the one that logged more
+    steps (nemo_fp8rl.report)."""
+    from nemo_fp8rl.report import samples_markdown
+
+    dirs = {}
+    for r in runs:
+        if r["seed"] != seed:
+            continue
+        cands = [run_dir(out, r), record / r["group"] / r["name"]]
+        d = max(cands, key=lambda c: ((c / "samples.jsonl").is_file(), len(protocol_report.read_metrics([c]))))
+        dirs[r["name"].rsplit("/", 1)[0]] = str(d)
+    return samples_markdown(dirs, heading="###")
 
 
 def main() -> None:
@@ -784,6 +803,8 @@ def main() -> None:
                    help="--stage: print the stage's markdown tables (protocol_report.py) from the runs in --out "
                         "or their records; run nothing")
     r.add_argument("--figure", default="", help="--report: also write the stage's curves to this PNG")
+    r.add_argument("--samples", type=int, default=None, metavar="SEED",
+                   help="--report: also print the sample generations of this seed's runs (start, middle, end)")
     r.add_argument("--plan", action="store_true",
                    help="print the remaining work in chunks with time estimates; run nothing")
     r.add_argument("--chunk-hours", type=float, default=2.0, help="largest estimated wall time of a chunk")
@@ -816,6 +837,8 @@ def main() -> None:
         if not args.stage:
             raise SystemExit("--report needs --stage (sweep, explore or confirm)")
         print(stage_report(args.stage, runs, out, record, Path(args.figure) if args.figure else None))
+        if args.samples is not None:
+            print("\n" + stage_samples(runs, out, record, args.samples))
         return
     rows = annotate(runs, out, record, args.steps)
     budget = args.chunk_hours * 3600
