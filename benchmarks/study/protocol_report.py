@@ -213,9 +213,9 @@ def curves_figure(groups: dict[str, list[list[dict]]], target: Path,
                                            "calib/neg_push")) -> None:
     """One panel per metric in ``keys``; per group (an arm, or a sweep point) the mean over its runs (seeds),
     with the band from the lowest to the highest run where there are several. A metric every step logs is
-    drawn as its trailing 10-step mean; one logged on some steps only (``calib/*``, on calibration steps) as
-    its raw values at those steps, over the steps every run of the group logged. ``groups[name]``: each run's
-    metrics records."""
+    drawn as its trailing 10-step mean over the steps every run of the group reached; one logged on some steps
+    only (``calib/*``, on calibration steps) as its raw values, at each step over the runs that logged it there.
+    ``groups[name]``: each run's metrics records."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,20 +230,20 @@ def curves_figure(groups: dict[str, list[list[dict]]], target: Path,
             if not xs_ys:
                 continue
             if any(len(x) < n for (x, _), n in logged if x):
+                # sparse: at each step some run logged, over the runs that logged it
                 sparse = True
-                common = sorted(set.intersection(*(set(x) for x, _ in xs_ys)))
-                series = [[dict(zip(x, y))[s] for s in common] for x, y in xs_ys]
-                steps = common
+                values = [dict(zip(x, y)) for x, y in xs_ys]
+                steps = sorted(set().union(*values))
+                cols = [[v[st] for v in values if st in v] for st in steps]
             else:
-                series = [_smooth(y) for _, y in xs_ys]
-                steps = list(range(min(len(s) for s in series)))
-            n = len(steps)
-            mean = [sum(s[i] for s in series) / len(series) for i in range(n)]
-            line, = ax.plot(steps, mean, marker="o" if sparse else None, markersize=3,
-                            label=f"{name} ({len(series)})")
-            if len(series) > 1:
-                ax.fill_between(steps, [min(s[i] for s in series) for i in range(n)],
-                                [max(s[i] for s in series) for i in range(n)], color=line.get_color(), alpha=0.2)
+                smoothed = [_smooth(y) for _, y in xs_ys]
+                steps = list(range(min(len(s) for s in smoothed)))
+                cols = [[s[i] for s in smoothed] for i in steps]
+            line, = ax.plot(steps, [sum(c) / len(c) for c in cols], marker="o" if sparse else None, markersize=3,
+                            label=f"{name} ({len(xs_ys)})")
+            if len(xs_ys) > 1:
+                ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(),
+                                alpha=0.2)
         ax.set_title(f"{key} (calibration steps)" if sparse else f"{key} (trailing {WINDOW}-step mean)",
                      fontsize=9)
         ax.set_xlabel("RL step")

@@ -717,15 +717,20 @@ class WarmupGate:
 def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: Path | None = None) -> str:
     """The markdown of ``--report`` for ``runs`` of ``stage`` (protocol_report.py defines every column);
     with ``figure``, also the stage's curves there: one line per sweep point, or per arm (the mean over its
-    seeds with a min-max band) for the exploration and the confirmation."""
+    finished seeds with a min-max band) for the exploration and the confirmation."""
     recs = [protocol_report.read_metrics([run_dir(out, r), record / r["group"] / r["name"]]) for r in runs]
     stats = [protocol_report.run_stats(m) for m in recs]
 
     if figure is not None:
+        # one line per arm (the name without /seedN), over its finished runs; a sweep point is one run, drawn
+        # however far it got
+        names = [r["name"].rsplit("/", 1)[0] for r in runs]
+        prefix = os.path.commonprefix(names)
+        prefix = prefix[: prefix.rfind("/") + 1] if len(set(names)) > 1 else ""
         groups: dict[str, list[list[dict]]] = {}
-        for r, m in zip(runs, recs):
-            name = r["name"].rsplit("/", 1)[0]  # without /seedN: the seeds of one arm share a line
-            groups.setdefault(name, []).append(m)
+        for r, m, s, name in zip(runs, recs, stats, names):
+            if stage == "sweep" or s["steps"] >= r["steps"]:
+                groups.setdefault(name[len(prefix):], []).append(m)
         protocol_report.curves_figure(groups, figure)
 
     if stage == "sweep":
