@@ -364,12 +364,22 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     bf16_11 = next(r for r in confirm if r["arm"] == "bf16" and r["seed"] == 11)
     rec = record / "confirm" / bf16_11["name"]
     _write_metrics(rec, [0.5] * 20)
-    (rec / "samples.jsonl").write_text("".join(
-        json.dumps({"step": st, "question": f"q{st}", "answer": "3", "response": f"<answer>{st}</answer>",
-                    "reward": float(st == 19), "correct": st == 19, "invalid": False}) + "\n" for st in (0, 7, 19)))
+    rows = [{"step": st, "question": f"Solve: {st} + 0 =", "answer": str(st), "response": f"<answer>{st}</answer>",
+             "reward": float(st == 19), "correct": st == 19, "invalid": False} for st in (0, 7, 11, 19)]
+    (rec / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fp8_11 = record / "confirm" / next(r for r in confirm if r["arm"] == "fp8" and r["seed"] == 11)["name"]
+    fp8_11.mkdir(parents=True, exist_ok=True)
+    (fp8_11 / "samples.jsonl").write_text("".join(json.dumps({**r, "response": "x|y", "correct": False}) + "\n"
+                                                  for r in rows))
     text = mod.stage_samples(confirm, out, record, 11)
-    assert "#### lr1e-5_easy/blockwise/bf16\n" in text and "Step 7:" in text and "<answer>19</answer>" in text
-    assert "reward 1.00 (correct)" in text and mod.stage_samples(confirm, out, record, 13) == ""
+    lines = text.splitlines()
+    assert lines[0] == 'Every question starts "Solve: ..."; the table shows the rest.'
+    assert "| step | question | reference | bf16 | fp8 |" in text  # arms without samples have no column
+    # the first, middle and last sample steps (0, 7, 19), a check mark where correct, "|" escaped in a cell
+    body = lines[lines.index("|" + " --- |" * 5) + 1:]
+    assert [ln.split(" | ")[0] for ln in body] == ["| 0", "| 7", "| 19"]
+    assert lines[-1] == "| 19 | 19 + 0 = | `19` | `<answer>19</answer>` ✓ | `x\\|y` |"
+    assert mod.stage_samples(confirm, out, record, 13) == ""
     assert "| comparison (reward over all steps) |" in md
     assert "| fp8 - bf16 | 1 | 11: -0.200 | -0.200 | [-0.200, -0.200] |" in md  # all: 0.5 - 0.7
 

@@ -29,6 +29,7 @@ Its power: :func:`gap_seen_with_power` (the column ``gap seen w/ 80% power``).
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 from pathlib import Path
@@ -189,6 +190,41 @@ def paired_table(by_seed: dict[str, dict[int, float]], pairs: list[tuple[str, st
         out.append(f"| {a} - {b} | {len(seeds)} | {per} | {sum(diffs) / len(diffs):+.3f} | "
                    f"[{lo:+.3f}, {hi:+.3f}] | {'-' if gap is None else f'{gap:.3f}'} |")
     return "\n".join(out)
+
+
+def samples_table(samples: dict[str, list[dict]], limit: int = 60) -> str:
+    """One markdown table of the sample generations of one seed's arms, which share their prompt stream:
+    ``samples[arm]``: that run's ``samples.jsonl`` records (step, question, answer, response, correct). A row
+    per (step, i-th sample of the step) at the first, middle and last sample step, with each arm's response
+    (cut at ``limit`` characters; a check mark where it is correct). Where the arms' questions differ at a
+    row, the row shows the first arm's question and marks the others' cells with theirs."""
+    from nemo_fp8rl.report import pick_sample_steps
+
+    arms = [a for a, recs in samples.items() if recs]
+    if not arms:
+        return ""
+    steps = pick_sample_steps([r["step"] for r in samples[arms[0]]])
+
+    def cell(r: dict, question: str) -> str:
+        text = " ".join(str(r.get("response", "")).split()).replace("|", "\\|").replace("`", "'")
+        text = text if len(text) <= limit else text[: limit - 3] + "..."
+        mark = " ✓" if r.get("correct") else ""
+        other = "" if r.get("question") == question else f" (question: {r.get('question', '')})"
+        return f"`{text}`{mark}{other}"
+
+    questions = [" ".join(str(r.get("question", "")).split()) for r in samples[arms[0]] if r["step"] in steps]
+    prefix = os.path.commonprefix(questions) if len(questions) > 1 else ""
+    prefix = prefix[: prefix.rfind(" ") + 1]  # whole words
+    out = [f"Every question starts \"{prefix.strip()} ...\"; the table shows the rest.\n" if prefix else "",
+           "| step | question | reference | " + " | ".join(arms) + " |", "|" + " --- |" * (3 + len(arms))]
+    for st in steps:
+        per_arm = {a: [r for r in samples[a] if r["step"] == st] for a in arms}
+        for i, first in enumerate(per_arm[arms[0]]):
+            q = first.get("question", "")
+            rest = " ".join(q.split())[len(prefix):]
+            cells = [cell(per_arm[a][i], q) if i < len(per_arm[a]) else "-" for a in arms]
+            out.append(f"| {st} | {rest} | `{first.get('answer', '')}` | " + " | ".join(cells) + " |")
+    return "\n".join(x for x in out if x)
 
 
 def _smooth(xs: list[float], k: int = WINDOW) -> list[float]:

@@ -756,19 +756,20 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
 
 
 def stage_samples(runs: list[dict], out: Path, record: Path, seed: int) -> str:
-    """Markdown of the sample generations (first, middle and last sample step) of ``seed``'s runs of a stage,
-    each read from its run directory or its record: one with samples, and of those the one that logged more
-    steps (nemo_fp8rl.report)."""
-    from nemo_fp8rl.report import samples_markdown
+    """The sample generations of ``seed``'s runs of a stage at the first, middle and last sample step, one
+    table with a column per arm (the arms of a seed share their prompts; protocol_report.samples_table). Each
+    run is read from its run directory or its record: one with samples, and of those the one that logged
+    more steps."""
+    from nemo_fp8rl.trainer.logger import read_metrics as read_jsonl
 
-    dirs = {}
+    samples = {}
     for r in runs:
         if r["seed"] != seed:
             continue
         cands = [run_dir(out, r), record / r["group"] / r["name"]]
         d = max(cands, key=lambda c: ((c / "samples.jsonl").is_file(), len(protocol_report.read_metrics([c]))))
-        dirs[r["name"].rsplit("/", 1)[0]] = str(d)
-    return samples_markdown(dirs, heading="###")
+        samples[r.get("arm") or r["name"].rsplit("/", 1)[0]] = read_jsonl(str(d), "samples.jsonl")
+    return protocol_report.samples_table(samples)
 
 
 def main() -> None:
