@@ -353,12 +353,13 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     curves = {"bf16": [0.5] * 10 + [0.9] * 10, "fp8": [0.4] * 10 + [0.6] * 10}
     for r in confirm:
         if r["arm"] in curves and not (r["arm"] == "fp8" and r["seed"] == 12):  # fp8 seed 12 unfinished
-            _write_metrics(out / "confirm" / r["name"], curves[r["arm"]])
+            rewards = [0.5] * 10 + [0.8] * 10 if (r["arm"], r["seed"]) == ("bf16", 12) else curves[r["arm"]]
+            _write_metrics(out / "confirm" / r["name"], rewards)
     md = mod.stage_report("confirm", confirm, out, record, figure=tmp_path / "confirm.png")
     assert (tmp_path / "confirm.png").stat().st_size > 10_000  # reward, accuracy, entropy, low clip, neg push
     assert "| fp8 - bf16 | 1 | 11: -0.300 | -0.300 | [-0.300, -0.300] | - |" in md  # last 10: 0.6 - 0.9
     # per arm over its finished seeds: mean [lowest, highest]; fp8 has one finished seed, so a bare value
-    assert "| bf16 | 2 | 0.900 [0.900, 0.900] | 0.700 [0.700, 0.700] |" in md
+    assert "| bf16 | 2 | 0.850 [0.800, 0.900] | 0.675 [0.650, 0.700] |" in md
     assert "| fp8 | 1 | 0.600 | 0.500 |" in md and "-0.0200 [-0.0200, -0.0200]" in md  # neg push, bf16
     # --samples: the seed's runs, each from its run directory or record, at the first, middle and last step
     bf16_11 = next(r for r in confirm if r["arm"] == "bf16" and r["seed"] == 11)
@@ -369,8 +370,9 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     (rec / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     fp8_11 = record / "confirm" / next(r for r in confirm if r["arm"] == "fp8" and r["seed"] == 11)["name"]
     fp8_11.mkdir(parents=True, exist_ok=True)
-    (fp8_11 / "samples.jsonl").write_text("".join(json.dumps({**r, "response": "x|y", "correct": False}) + "\n"
-                                                  for r in rows))
+    fp8_rows = [{**r, "response": "x|y", "correct": False} for r in rows]
+    fp8_rows[1]["question"] = "Solve: 8 + 0 ="  # a prompt the arms do not share is named in its cell
+    (fp8_11 / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fp8_rows[:3]))  # no step 19
     text = mod.stage_samples(confirm, out, record, 11)
     lines = text.splitlines()
     assert lines[0] == 'Every question starts "Solve: ..."; the table shows the rest.'
@@ -378,7 +380,8 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     # the first, middle and last sample steps (0, 7, 19), a check mark where correct, "|" escaped in a cell
     body = lines[lines.index("|" + " --- |" * 5) + 1:]
     assert [ln.split(" | ")[0] for ln in body] == ["| 0", "| 7", "| 19"]
-    assert lines[-1] == "| 19 | 19 + 0 = | `19` | `<answer>19</answer>` ✓ | `x\\|y` |"
+    assert body[1].endswith("| `x\\|y` (question: Solve: 8 + 0 =) |")
+    assert lines[-1] == "| 19 | 19 + 0 = | `19` | `<answer>19</answer>` ✓ | - |"
     assert mod.stage_samples(confirm, out, record, 13) == ""
     assert "| comparison (reward over all steps) |" in md
     assert "| fp8 - bf16 | 1 | 11: -0.200 | -0.200 | [-0.200, -0.200] |" in md  # all: 0.5 - 0.7

@@ -198,7 +198,7 @@ def samples_table(samples: dict[str, list[dict]], limit: int = 60) -> str:
     per (step, i-th sample of the step) at the first, middle and last sample step, with each arm's response
     (cut at ``limit`` characters; a check mark where it is correct). Where the arms' questions differ at a
     row, the row shows the first arm's question and marks the others' cells with theirs."""
-    from nemo_fp8rl.report import pick_sample_steps
+    from nemo_fp8rl.report import _one_line, pick_sample_steps
 
     arms = [a for a, recs in samples.items() if recs]
     if not arms:
@@ -206,8 +206,7 @@ def samples_table(samples: dict[str, list[dict]], limit: int = 60) -> str:
     steps = pick_sample_steps([r["step"] for r in samples[arms[0]]])
 
     def cell(r: dict, question: str) -> str:
-        text = " ".join(str(r.get("response", "")).split()).replace("|", "\\|").replace("`", "'")
-        text = text if len(text) <= limit else text[: limit - 3] + "..."
+        text = _one_line(str(r.get("response", "")), limit).replace("|", "\\|").replace("`", "'")
         mark = " ✓" if r.get("correct") else ""
         other = "" if r.get("question") == question else f" (question: {r.get('question', '')})"
         return f"`{text}`{mark}{other}"
