@@ -308,7 +308,7 @@ def _write_metrics(d: Path, rewards: list[float], alpha: float = 0.0, interval: 
     rows = []
     for i, r in enumerate(rewards):
         row = {"step": i, "reward/mean": r, "reward/accuracy": r, "policy/entropy": 0.5, "clip/low_frac": 0.01,
-               "timing/step": 30.0}
+               "clip/high_frac": 0.004 if i % 2 else 0.002, "clip/upper": 1.2, "timing/step": 30.0}
         if i % interval == 0:
             row.update({"calib/alpha_bf16": alpha, "calib/skipped": 0, "calib/neg_push": -0.02})
         rows.append(json.dumps(row))
@@ -361,6 +361,10 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     # per arm over its finished seeds: mean [lowest, highest]; fp8 has one finished seed, so a bare value
     assert "| bf16 | 2 | 0.850 [0.800, 0.900] | 0.675 [0.650, 0.700] |" in md
     assert "| fp8 | 1 | 0.600 | 0.500 |" in md and "-0.0200 [-0.0200, -0.0200]" in md  # neg push, bf16
+    # low clip, high clip (the mean of 0.002 and 0.004 over the steps), the upper bound in force
+    fp8_row = next(ln for ln in md.split("Per arm")[1].splitlines() if ln.startswith("| fp8 | 1 |"))
+    assert "| 0.0100 | 0.0030 | 1.20 |" in fp8_row
+    assert "| fp8_calibrated_upper_fixed - fp8_calibrated | 0 |" in md  # the ablation against the full method
     # --samples: the seed's runs, each from its run directory or record, at the first, middle and last step
     bf16_11 = next(r for r in confirm if r["arm"] == "bf16" and r["seed"] == 11)
     rec = record / "confirm" / bf16_11["name"]

@@ -16,7 +16,10 @@ means over the step's responses):
   negative-advantage tokens; nemo_fp8rl/algorithms/push.py);
 * ``tail gain``: mean ``calib/neg_alt_mass_gain`` over those steps (the probability mass the update moved from
   the negative-advantage tokens onto their alternatives, in high precision);
-* ``low clip``: mean ``clip/low_frac``; ``step s``: mean ``timing/step``;
+* ``low clip``: mean ``clip/low_frac`` (the share of negative-advantage tokens with ratio below the lower bound
+  in force); ``high clip``: mean ``clip/high_frac`` (positive-advantage tokens above the upper bound);
+  ``upper``: mean ``clip/upper``, the upper bound in force (1 + eps_high under fixed clip, the rebalanced
+  bound under ``calibration=paper`` with ``upper_mode=balance``); ``step s``: mean ``timing/step``;
 * ``garbled steps`` / ``entropy surges``: the number of steps with ``stability/garbled`` /
   ``stability/entropy_surge`` set (the degeneracy signals of nemo_fp8rl/algorithms/{degeneracy,mismatch}.py).
 
@@ -72,6 +75,8 @@ def run_stats(recs: list[dict]) -> dict:
         "tail_gain": _mean([r.get("calib/neg_alt_mass_gain") for r in calib]),
         "calib_steps": len(calib),
         "low_clip": _mean(series("clip/low_frac")),
+        "high_clip": _mean(series("clip/high_frac")),
+        "upper": _mean(series("clip/upper")),
         "garbled_steps": sum(1 for r in recs if r.get("stability/garbled")),
         "entropy_surges": sum(1 for r in recs if r.get("stability/entropy_surge")),
         "step_s": _mean(series("timing/step")),
@@ -136,17 +141,19 @@ def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
 def arms_table(rows: list[tuple[str, dict, int]]) -> str:
     """``rows``: (run name, run_stats, planned steps), for exploration and confirmation runs."""
     out = [("| run | steps | reward last 10 | gain | mean over all steps | accuracy last 10 | alpha_bf16 | neg push | "
-            "tail gain | low clip | entropy last 10 | garbled steps | entropy surges |"), "|" + " --- |" * 13]
+            "tail gain | low clip | high clip | upper | entropy last 10 | garbled steps | entropy surges |"),
+           "|" + " --- |" * 15]
     for name, s, planned in rows:
         out.append(f"| {name} | {s['steps']}/{planned} | {_f(s['reward_last10'])} | {_f(s['gain'], '+.3f')} | "
                    f"{_f(s['reward_all'])} | {_f(s['acc_last10'])} | {_f(s['alpha_bf16'], '.4f')} | "
                    f"{_f(s['neg_push'], '+.4f')} | {_f(s['tail_gain'], '+.4f')} | {_f(s['low_clip'], '.4f')} | "
-                   f"{_f(s['entropy_last10'])} | {s['garbled_steps']} | {s['entropy_surges']} |")
+                   f"{_f(s['high_clip'], '.4f')} | {_f(s['upper'], '.2f')} | {_f(s['entropy_last10'])} | {s['garbled_steps']} | {s['entropy_surges']} |")
     return "\n".join(out)
 
 
 ARM_COLUMNS = (("reward_last10", "reward last 10", ".3f"), ("reward_all", "mean over all steps", ".3f"),
                ("acc_last10", "accuracy last 10", ".3f"), ("low_clip", "low clip", ".4f"),
+               ("high_clip", "high clip", ".4f"), ("upper", "upper", ".2f"),
                ("alpha_bf16", "alpha_bf16", ".4f"), ("neg_push", "neg push", "+.4f"),
                ("tail_gain", "tail gain", "+.4f"), ("entropy_last10", "entropy last 10", ".3f"))
 

@@ -749,7 +749,7 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
             by_arm.setdefault(r["arm"], []).append(s)
     table += "\n\nPer arm over its finished seeds (mean [lowest, highest]):\n\n" + protocol_report.arm_means_table(by_arm)
     pairs = [("fp8_calibrated", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16"),
-             ("fp8_calibrated_upper_fixed", "fp8")]
+             ("fp8_calibrated_upper_fixed", "fp8"), ("fp8_calibrated_upper_fixed", "fp8_calibrated")]
     # primary: the last-10 mean; secondary: the mean over all steps (docs/results.md, the confirmation plan)
     return (table + "\n\n" + protocol_report.paired_table(last10, pairs) + "\n\n"
             + protocol_report.paired_table(every, pairs, measure="over all steps"))
