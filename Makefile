@@ -44,8 +44,8 @@ install-test: $(VENV)/.installed-test
 demo: install
 	$(PY) -m nemo_fp8rl.demo
 
-# `make demo-real`: the demo's three arms on SmolLM2-135M-Instruct + reasoning-gym chain_sum (~30 min on 2
-# cores). The `real` extra (reasoning-gym, gguf, transformers); the torch constraint keeps pip off torch.
+# `make demo-real`: the demo's three arms on SmolLM2-135M-Instruct + reasoning-gym chain_sum in the regime of
+# issue 28's study (README). The `real` extra (reasoning-gym, gguf, transformers); the torch constraint keeps pip off torch.
 $(VENV)/.installed-real: $(VENV)/.installed
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
 	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e ".[real]"

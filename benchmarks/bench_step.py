@@ -11,7 +11,7 @@ follows the fixed arm's trajectory exactly, so its ratio is the cost of calibrat
 
     python benchmarks/bench_step.py [--steps 60] [--interval 20] [--recipe tensorwise]
 
-``--real`` instead measures what FP8 costs per step on the ``make demo-real`` settings (SmolLM2-135M,
+``--real`` instead measures what FP8 costs per step on the base settings of ``make demo-real`` (SmolLM2-135M,
 reasoning-gym chain_sum, ``nemo_fp8rl.demo.REAL``): BF16 (``fp8=off``) against each FP8 recipe with the
 fused quantizer (``fp8.compile=true``) and, for comparison, the eager one (``fp8.compile=false``), all
 fixed clip, in one process, steps interleaved. Step 0 (compiles, allocator warm-up) is not counted. The

@@ -19,12 +19,19 @@ middle and last step: ``logger.samples``).
 ``--real`` (``make demo-real``): the same three arms on a real pretrained LLM, SmolLM2-135M-Instruct
 (``model=smollm2_135m``, fetched through the model registry on first use) with reasoning-gym's
 ``chain_sum`` (``task=reasoning_gym``; prompts through the model's chat template), a short format
-warm-up, a small learning rate and batch (:data:`REAL`), written to ``runs/demo_real``; sized to about
-30 minutes for the three arms on 2 CPU cores (the per-step times measured are in docs/results.md,
-"Real model (SmolLM2-135M)").
+warm-up and a small batch (:data:`REAL`), in the regime where issue 28's study found BF16 learning and
+fixed-clip FP8 falling behind (:data:`REAL_REGIME`: 2 one-digit terms, lr 1e-5, calibration every 10
+steps; FP8 recipe ``blockwise``), written to ``runs/demo_real``. Its arms are the study's protocol arms
+(:data:`REAL_ARMS`: the bf16 arm measures BF16's own clip share and negative push), so with seed 1 the
+demo's bf16 and fp8 runs are the first steps of the study's seed-1 sweep and exploration runs
+(docs/results.md, "The decisive experiment on SmolLM2-135M"). 30 steps per arm by default.
 
     python -m nemo_fp8rl.demo [--steps N] [--out runs/demo] [--recipe tensorwise] [extra overrides...]
-    python -m nemo_fp8rl.demo --real [--steps N] [--out runs/demo_real] [extra overrides...]
+    python -m nemo_fp8rl.demo --real [--steps N] [--out runs/demo_real] [--recipe blockwise] [extra overrides...]
+
+``--real --base-regime`` runs :data:`REAL` alone (2-3 terms of 1-2 digits, lr 3e-6, calibration every 4
+steps, ``tensorwise``, a BF16 arm without measurement): ``--real`` before 2026-12-03, the setting of the
+earlier real-model runs in docs/results.md, where BF16 does not learn measurably in 10 steps.
 """
 
 from __future__ import annotations
@@ -45,9 +52,10 @@ ARMS = {
 # Shared by all arms: what makes the FP8 ratio noise visible on the tiny task (see module docstring).
 COMMON = ["algorithm=grpo", "algorithm.old_logprobs=rollout", "logger.progress=lines"]
 
-# --real: SmolLM2-135M-Instruct on reasoning-gym chain_sum, a small learning rate for a pretrained model,
-# and a batch that 2 CPU cores turn around in tens of seconds per step; problems of 2-3 terms of 1-2
-# digits. Zero-shot the model never writes the <answer></answer> tags the reward parses (measured: 0 of
+# --real's base (REAL_REGIME below sets the task's difficulty, the learning rate and the calibration interval
+# on top; the study's runs build on REAL too): SmolLM2-135M-Instruct on reasoning-gym chain_sum, a small
+# learning rate for a pretrained model, and a batch that 2 CPU cores turn around in tens of seconds per
+# step; problems of 2-3 terms of 1-2 digits. Zero-shot the model never writes the <answer></answer> tags the reward parses (measured: 0 of
 # 200 sampled responses at temperature 0.7, six prompt variants; benchmarks/study/real_notes.md), so
 # every reward, advantage and gradient would be 0; prefilling the tag (task.response_prefix) gives the
 # format but accuracy 0 (two steps of 32 responses). A short supervised warm-up on ``prompt ->
@@ -67,8 +75,22 @@ REAL = [
     "rollout.max_new_tokens=32", "rollout.temperature=1.0", "optim.lr=3e-6", "calibration.interval=4",
     "calibration.min_tokens=16", "logger.tensorboard=false",
 ]
-REAL_STEPS = 10
-"""Default RL steps per arm of ``--real`` (about 30 minutes for the three arms on 2 CPU cores)."""
+# --real's regime on top of REAL (REAL stays the study's base, benchmarks/study/run_study.py PROTOCOL_BASE):
+# issue 28's sweep point ``lr1e-5_easy`` (chain_sum with 2 one-digit terms at lr 1e-5; seed 1: BF16 reward
+# 0.53 -> 0.75 over its first 30 steps, 0.88 by step 100) and the protocol's calibration interval. A test
+# keeps these equal to the study's settings (tests/test_study_real.py).
+REAL_REGIME = ["optim.lr=1e-5", "task.dataset_kwargs.max_terms=2", "task.dataset_kwargs.max_digits=1",
+               "calibration.interval=10"]
+REAL_RECIPE = "blockwise"
+"""--real's default FP8 recipe: the study's exploration found fixed-clip FP8 visibly below BF16 in this regime
+under ``blockwise`` (and E5M2), while ``tensorwise`` caught up; the confirmation ran ``blockwise``."""
+REAL_ARMS = {**ARMS, "bf16": ["fp8=off", "calibration=measure"]}
+"""--real's arms: the study's protocol arms (the bf16 arm keeps the nominal bounds and logs BF16's own
+``calib/alpha_bf16`` and negative push at the calibration steps)."""
+REAL_STEPS = 30
+"""Default RL steps per arm of ``--real``."""
+REAL_BASE_STEPS = 10
+"""Default RL steps per arm of ``--real --base-regime``."""
 
 
 def sample_steps(steps: int) -> str:
@@ -77,8 +99,14 @@ def sample_steps(steps: int) -> str:
 
 
 def arm_command(arm: str, out: Path, steps: int, recipe: str, seed: int, extra: list[str],
-                real: bool = False) -> list[str]:
-    overrides = [o.format(recipe=recipe) for o in ARMS[arm]] + COMMON + (REAL if real else []) + [
+                real: bool = False, base_regime: bool = False) -> list[str]:
+    """The ``nemo_fp8rl.train`` command of one arm. ``real``: SmolLM2 (:data:`REAL`) in the study's regime
+    (:data:`REAL_REGIME`, :data:`REAL_ARMS`); with ``base_regime`` in :data:`REAL`'s own settings and the tiny
+    demo's arms (``--real`` before 2026-12-03, which docs/results.md's earlier real-model runs used)."""
+    regime = real and not base_regime
+    arm_overrides = (REAL_ARMS if regime else ARMS)[arm]
+    overrides = [o.format(recipe=recipe) for o in arm_overrides] + COMMON + (REAL if real else []) + (
+        REAL_REGIME if regime else []) + [
         f"trainer.max_steps={steps}", f"trainer.checkpoint_interval={steps}", f"seed={seed}",
         f"output_dir={out / arm}", f"warmup.cache_dir={out / '.warmup_cache'}", sample_steps(steps),
     ] + list(extra)
@@ -90,16 +118,23 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--real", action="store_true",
                     help="SmolLM2-135M-Instruct on reasoning-gym chain_sum instead of the tiny model (make demo-real)")
+    ap.add_argument("--base-regime", action="store_true",
+                    help="with --real: REAL's base settings (2-3 terms of 1-2 digits, lr 3e-6, calibration every 4 "
+                         "steps, tensorwise, BF16 arm without measurement), the --real of earlier docs/results.md runs")
     ap.add_argument("--out", default=None, help="parent directory of the three runs (runs/demo; --real: runs/demo_real)")
     ap.add_argument("--steps", type=int, default=None,
-                    help=f"RL steps per arm (150; --real: {REAL_STEPS})")
-    ap.add_argument("--recipe", default="tensorwise", help="FP8 recipe of the two FP8 arms")
+                    help=f"RL steps per arm (150; --real: {REAL_STEPS}; --real --base-regime: {REAL_BASE_STEPS})")
+    ap.add_argument("--recipe", default=None, help=f"FP8 recipe of the two FP8 arms (tensorwise; --real: {REAL_RECIPE})")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ",".join(ARMS))
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides applied to every arm")
     args = ap.parse_args(argv)
     out = Path(args.out or ("runs/demo_real" if args.real else "runs/demo"))
-    steps = args.steps if args.steps is not None else (REAL_STEPS if args.real else 150)
+    if args.base_regime and not args.real:
+        ap.error("--base-regime applies to --real only")
+    steps = args.steps if args.steps is not None else (
+        (REAL_BASE_STEPS if args.base_regime else REAL_STEPS) if args.real else 150)
+    recipe = args.recipe or (REAL_RECIPE if args.real and not args.base_regime else "tensorwise")
     if steps < 1:
         ap.error(f"--steps={steps} must be >= 1")
     arms = [a for a in args.arms.split(",") if a]
@@ -111,7 +146,8 @@ def main(argv=None) -> None:
             ap.error(f"{out / a} already holds a run; remove it (or pass --out elsewhere) to rerun the demo")
     timings = {}
     for a in arms:
-        cmd = arm_command(a, out, steps, args.recipe, args.seed, args.overrides, real=args.real)
+        cmd = arm_command(a, out, steps, recipe, args.seed, args.overrides, real=args.real,
+                          base_regime=args.base_regime)
         print(f"\n=== {a}: {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
         t0 = time.time()
         rc = subprocess.call(cmd)

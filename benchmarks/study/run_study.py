@@ -85,8 +85,8 @@ Groups of the tiny study (``--only``):
   activations and weights (bf16: the same learning rate), all seeds: the setting where the fixed-clip
   FP8 arm degrades while BF16 keeps learning (found by a search over the conditions of the ``stress``
   group, lr 2e-4/3e-4/1e-3, 2-4 epochs, 16 minibatches, at 150-200 steps; see docs/results.md);
-* ``real``: a real pretrained LLM, SmolLM2-135M-Instruct on reasoning-gym chain_sum with ``make
-  demo-real``'s settings (``nemo_fp8rl.demo.REAL``: short format warm-up, 8 prompts x 4 responses x 32
+* ``real``: a real pretrained LLM, SmolLM2-135M-Instruct on reasoning-gym chain_sum with the
+  base settings of ``make demo-real`` (``nemo_fp8rl.demo.REAL``, without its regime: short format warm-up, 8 prompts x 4 responses x 32
   tokens, lr 3e-6, calibration every 4 steps), ``--real-steps`` steps, ``--real-seeds`` (default 1,2):
   bf16 / fp8 fixed clip / fp8_calibrated for recipes tensorwise and blockwise, plus the stress setting
   ``e5m2_2xlr`` (E5M2 activations and weights, 2x lr; bf16: 2x lr only). FP8 in training and rollout,
@@ -154,7 +154,7 @@ REAL_RECIPES = ["tensorwise", "blockwise"]
 REAL_STRESS = {"e5m2_2xlr": ["fp8.fp8_format=e5m2", "optim.lr=6e-6"]}  # 2x REAL's optim.lr=3e-6
 # Seconds per RL step for --list's estimates, measured on this project's 2 CPU cores shared with other
 # jobs, one run at a time: tiny model, the study's 32 prompts x 8 responses (docs/results.md "step s":
-# 0.4-0.8); SmolLM2 with REAL's 8 prompts x 4 responses (python -m nemo_fp8rl.demo --real --steps 2,
+# 0.4-0.8); SmolLM2 with REAL's 8 prompts x 4 responses (python -m nemo_fp8rl.demo --real --base-regime --steps 2,
 # tensorwise, 2026-12-01: bf16 31.6 / 28.9 s, fp8 56.3 (calibration measured) / 42.5 s, fp8_calibrated
 # 52.8 / 48.0 s), plus ~20 s start-up and the final export per run. REAL_WARMUP_S: the format warm-up
 # (219 s measured), once per seed (cached, shared by the seed's runs).
@@ -236,8 +236,9 @@ measured 8.4 s of them in a tensorwise FP8 step (the push 2.7 s) against ~27 s f
 3% of the mean step time at interval 10 for the FP8 arms; in a BF16 arm, whose own step is cheaper, 106 s
 against a 116 s plain step under heavy machine load, about 9%."""
 PROTOCOL_BASE = ["algorithm=grpo", *REAL, f"calibration.interval={PROTOCOL_CALIB_INTERVAL}"]
-"""make demo-real's settings (SmolLM2-135M-Instruct, reasoning-gym chain_sum 2-3 terms of 1-2 digits, a
-30-step format warm-up, 8 prompts x 4 responses x 32 tokens, 2 minibatches, lr 3e-6), calibrating every
+"""The base settings of make demo-real (``nemo_fp8rl.demo.REAL``: SmolLM2-135M-Instruct, reasoning-gym
+chain_sum 2-3 terms of 1-2 digits, a 30-step format warm-up, 8 prompts x 4 responses x 32 tokens, 2
+minibatches, lr 3e-6; the demo adds the regime this protocol confirmed, ``demo.REAL_REGIME``), calibrating every
 :data:`PROTOCOL_CALIB_INTERVAL` steps. The later of two overrides of one key wins (Hydra)."""
 PROTOCOL_ARMS = {
     "bf16": ["fp8=off", "calibration=measure"],  # bounds nominal; BF16's own calib/ metrics and push

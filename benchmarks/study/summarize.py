@@ -153,7 +153,7 @@ def real_section(study: Path, meta: dict, figs: Path, last: int) -> list[str]:
              f"Command: `python benchmarks/study/run_study.py --out {study} --only real --real-steps {steps}"
              f"{_real_flags(study)} --jobs 2`. SmolLM2-135M-Instruct (`model=smollm2_135m`, the registry's Q4_1 GGUF "
              "decoded to float32) on reasoning-gym `chain_sum` (2-3 terms of 1-2 digits, prompts through the "
-             "model's chat template), the settings of `make demo-real` (`nemo_fp8rl.demo.REAL`): a short "
+             "model's chat template), the base settings of `make demo-real` (`nemo_fp8rl.demo.REAL`): a short "
              "supervised warm-up that teaches the `<answer>` format (zero-shot the model never writes it, so "
              "every reward would be 0), then GRPO with 8 prompts x 4 responses x up to 32 new tokens, temperature 1, "
              "lr 3e-6, calibration every 4 steps. FP8 in training and rollout (rollout scheme vllm_w8a8), old "
