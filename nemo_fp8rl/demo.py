@@ -22,9 +22,10 @@ middle and last step: ``logger.samples``).
 warm-up and a small batch (:data:`REAL`), in the regime where issue 28's study found BF16 learning and
 fixed-clip FP8 falling behind (:data:`REAL_REGIME`: 2 one-digit terms, lr 1e-5, calibration every 10
 steps; FP8 recipe ``blockwise``), written to ``runs/demo_real``. Its arms are the study's protocol arms
-(:data:`REAL_ARMS`: the bf16 arm measures BF16's own clip share and negative push), so with seed 1 the
-demo's bf16 and fp8 runs are the first steps of the study's seed-1 sweep and exploration runs
-(docs/results.md, "The decisive experiment on SmolLM2-135M"). 30 steps per arm by default.
+(:data:`REAL_ARMS`: the bf16 arm measures BF16's own clip share and negative push): with seed 1 the
+demo's bf16 and fp8 arms have the configuration of the study's seed-1 sweep and exploration runs
+(docs/results.md, "The decisive experiment on SmolLM2-135M"), so on the CPU type that ran those they
+should repeat their first steps (not yet checked by a demo run). 30 steps per arm by default.
 
     python -m nemo_fp8rl.demo [--steps N] [--out runs/demo] [--recipe tensorwise] [extra overrides...]
     python -m nemo_fp8rl.demo --real [--steps N] [--out runs/demo_real] [--recipe blockwise] [extra overrides...]
