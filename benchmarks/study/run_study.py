@@ -865,6 +865,14 @@ def main() -> None:
     t0 = time.time()
     failures: list[str] = []
     lock = threading.Lock()
+    say_lock = threading.Lock()
+
+    def say(msg: str) -> None:
+        """One whole line at a time: ``print`` writes the text and its newline separately, so two jobs
+        starting together could run their lines into one."""
+        with say_lock:
+            sys.stdout.write(msg + "\n")
+            sys.stdout.flush()
 
     def finish(row: dict) -> None:
         """With --commit, record and commit a finished run (unless its record is complete already); with
@@ -878,7 +886,7 @@ def main() -> None:
                 paths = record_run(row, d, record, figure=not args.no_figures)
                 msg = f"study {row['group']}/{row['name']}: {_summary(d, row['steps'])} (run_study.py --commit)"
                 if commit_paths(paths, msg):
-                    print(f"committed {dest}", flush=True)
+                    say(f"committed {dest}")
             if args.prune_finished:
                 for sub in ("checkpoints", "hf"):
                     shutil.rmtree(d / sub, ignore_errors=True)
@@ -897,12 +905,12 @@ def main() -> None:
 
         def one(row):
             state = f"resume from step {row['at_step']}" if row["state"] == "resume" else row["state"]
-            print(f"start {row['group']}/{row['name']}: {state}", flush=True)
+            say(f"start {row['group']}/{row['name']}: {state}")
             try:
                 res = execute(row, out, args.steps, log_dir, args.extra, gate=gate.for_run(row))
             except Exception as e:  # noqa: BLE001  (one bad run must not stop the chunk)
                 res = (row["name"], 5, 0.0)
-                print(f"{row['name']}: {e}", flush=True)
+                say(f"{row['name']}: {e}")
             finally:
                 gate.finished(row)
             if res[1] == 0:
@@ -910,12 +918,12 @@ def main() -> None:
                     finish(row)
                 except Exception as e:  # noqa: BLE001
                     res = (row["name"], 6, res[2])
-                    print(f"{row['name']}: finished but not recorded: {e}", flush=True)
+                    say(f"{row['name']}: finished but not recorded: {e}")
             return res
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             for name, rc, sec in pool.map(one, part):
-                print(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s", flush=True)
+                say(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s")
                 failures += [name] if rc else []
     ran = sum(len(c) for c in parts)
     skipped = len([x for x in rows if x["remaining"]]) - ran
