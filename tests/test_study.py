@@ -154,13 +154,15 @@ def test_protocol_stages_plan_arms_and_fresh_confirmation_seeds():
     assert explore["lr1e-5/kv_e4m3_static_len64/bf16/seed1"]["overrides"][-3] == "rollout.max_new_tokens=64"
     assert explore["lr1e-5/2xlr/bf16/seed1"]["overrides"][-3] == "optim.lr=2e-05"  # {lr2x}: twice the regime's
     confirm = mod.stage_runs(_stage_args(mod, "stage=confirm", "regime=lr1e-5", "condition=e5m2"))
-    assert len(confirm) == 3 * 4 and {r["seed"] for r in confirm} == {11, 12, 13}
-    # plan order: every seed of the primary arms, then the ablation's seeds (a session finishes ~2 runs)
+    assert len(confirm) == 3 * 5 and {r["seed"] for r in confirm} == {11, 12, 13}
+    # plan order: every seed of the primary arms, then the ablation's seeds, then the later control's
+    # (a session finishes ~2 runs)
     assert [(r["arm"], r["seed"]) for r in confirm] == [
         *[(a, s) for s in (11, 12, 13) for a in ("bf16", "fp8", "fp8_calibrated")],
-        *[("fp8_calibrated_upper_fixed", s) for s in (11, 12, 13)]]
+        *[("fp8_calibrated_upper_fixed", s) for s in (11, 12, 13)],
+        *[("fp8_fixed_wide", s) for s in (11, 12, 13)]]
     by_arm = {r["arm"]: r["overrides"] for r in confirm if r["seed"] == 11}
-    assert set(by_arm) == {"bf16", "fp8", "fp8_calibrated", "fp8_calibrated_upper_fixed"}
+    assert set(by_arm) == {"bf16", "fp8", "fp8_calibrated", "fp8_calibrated_upper_fixed", "fp8_fixed_wide"}
     assert by_arm["bf16"][-2:] == ["fp8=off", "calibration=measure"] and "fp8.fp8_format=e5m2" not in by_arm["bf16"]
     assert by_arm["fp8_calibrated_upper_fixed"][-2:] == ["calibration=paper", "calibration.upper_mode=fixed"]
     bad = _study("--stage", "confirm", "--regime", "lr1e-5", "--condition", "e5m2", "--confirm-seeds", "1,7",
@@ -197,6 +199,9 @@ def test_protocol_runs_compose_into_valid_configs(tmp_path):
             assert cfg.calibration.apply == r["arm"].startswith("fp8_calibrated")
             assert (cfg.fp8.recipe is None) == (r["arm"] == "bf16")
             assert cfg.calibration.upper_mode == ("fixed" if r["arm"].endswith("upper_fixed") else "balance")
+            # the control's fixed window [0.5, 2.0]; every other arm keeps the regime's nominal [0.8, 1.2]
+            wide = r["arm"] == "fp8_fixed_wide"
+            assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == ((0.5, 1.0) if wide else (0.2, 0.2))
     GlobalHydra.instance().clear()
     easy = cfgs[("sweep", "lr1e-5_easy/seed1")]
     assert easy.task.dataset_kwargs["max_terms"] == 2 and easy.task.dataset_kwargs["max_digits"] == 1
@@ -365,6 +370,7 @@ def test_stage_report_sweep_verdicts_and_confirmation_pairs(tmp_path):
     fp8_row = next(ln for ln in md.split("Per arm")[1].splitlines() if ln.startswith("| fp8 | 1 |"))
     assert "| 0.0100 | 0.0030 | 1.20 |" in fp8_row
     assert "| fp8_calibrated_upper_fixed - fp8_calibrated | 0 |" in md  # the ablation against the full method
+    assert "| fp8_calibrated - fp8_fixed_wide | 0 |" in md  # the full method against the fixed wide window
     # --samples: the seed's runs, each from its run directory or record, at the first, middle and last step
     bf16_11 = next(r for r in confirm if r["arm"] == "bf16" and r["seed"] == 11)
     rec = record / "confirm" / bf16_11["name"]

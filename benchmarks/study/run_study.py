@@ -34,9 +34,10 @@ exploration's runs, the confirmation's runs and its paired per-seed differences 
   regime's own BF16 reference is the sweep's run of that point when the seeds and steps agree.
 * ``confirm``: on the ``--regime`` and the exploration's ``--condition``, ``--confirm-seeds`` (never a
   sweep or exploration seed: refused), the arms of :data:`PROTOCOL_ARMS`: bf16, fp8 (fixed clip),
-  fp8_calibrated (``calibration=paper``) and fp8_calibrated_upper_fixed (``calibration.upper_mode=fixed``),
-  ``--confirm-steps``; planned primary arms seed by seed first, the ablation last
-  (:data:`PROTOCOL_ABLATION_ARMS`).
+  fp8_calibrated (``calibration=paper``), fp8_calibrated_upper_fixed (``calibration.upper_mode=fixed``) and
+  the control fp8_fixed_wide (fixed clip at [0.5, 2.0]), ``--confirm-steps``; planned primary arms seed by
+  seed first, then the ablation (:data:`PROTOCOL_ABLATION_ARMS`), then the control
+  (:data:`PROTOCOL_CONTROL_ARMS`).
 
 Every protocol run calibrates (or, bf16 and fixed clip, measures) every :data:`PROTOCOL_CALIB_INTERVAL`
 steps, so every arm logs ``calib/neg_push`` (nemo_fp8rl/algorithms/push.py) on the same steps.
@@ -245,10 +246,16 @@ PROTOCOL_ARMS = {
     "fp8": ["calibration=measure"],  # fixed clip; measures how it would have been calibrated
     "fp8_calibrated": ["calibration=paper"],
     "fp8_calibrated_upper_fixed": ["calibration=paper", "calibration.upper_mode=fixed"],  # the ablation
+    # the control (added 2026-12-03, after the 12 runs above): fixed clip at the window the calibrated arm
+    # settled on there, [lower_min, its mean upper bound in force] = [0.5, 2.0]; measured, not applied
+    "fp8_fixed_wide": ["calibration=measure", "algorithm.eps_low=0.5", "algorithm.eps_high=1.0"],
 }
 """The confirmation's arms (the FP8 recipe comes from the condition); exploration runs bf16 and fp8."""
 PROTOCOL_ABLATION_ARMS = ("fp8_calibrated_upper_fixed",)
 """The confirmation's ablation arms: planned after every seed of the primary arms."""
+PROTOCOL_CONTROL_ARMS = ("fp8_fixed_wide",)
+"""Control arms added after the confirmation's 12 runs had finished (docs/results.md, "Control: a fixed wide
+window"): planned last, after the ablation."""
 SWEEP_SEED = 1
 EXPLORE_SEED = 1
 SWEEP = {
@@ -363,9 +370,11 @@ def stage_runs(args) -> list[dict]:
         # A session's machine is fresh (checkpoints do not outlive it), so the confirmation advances by
         # the runs that finish within one session; this order completes the failure-and-repair comparison
         # before the ablation. The order is fixed before any confirmation result exists; it selects nothing.
-        primary = [a for a in PROTOCOL_ARMS if a not in PROTOCOL_ABLATION_ARMS]
+        # The control arm came after all of that, so it is planned last.
+        primary = [a for a in PROTOCOL_ARMS if a not in PROTOCOL_ABLATION_ARMS + PROTOCOL_CONTROL_ARMS]
         order = [(seed, arm) for seed in _seeds(args.confirm_seeds) for arm in primary]
-        order += [(seed, arm) for arm in PROTOCOL_ABLATION_ARMS for seed in _seeds(args.confirm_seeds)]
+        order += [(seed, arm) for arm in PROTOCOL_ABLATION_ARMS + PROTOCOL_CONTROL_ARMS
+                  for seed in _seeds(args.confirm_seeds)]
         return [run(f"{args.regime}/{cond[0]}/{arm}", seed, args.confirm_steps, arm,
                     [*regime, *(shared if arm == "bf16" else extra), *PROTOCOL_ARMS[arm]])
                 for seed, arm in order]
@@ -750,7 +759,8 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
             by_arm.setdefault(r["arm"], []).append(s)
     table += "\n\nPer arm over its finished seeds (mean [lowest, highest]):\n\n" + protocol_report.arm_means_table(by_arm)
     pairs = [("fp8_calibrated", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16"),
-             ("fp8_calibrated_upper_fixed", "fp8"), ("fp8_calibrated_upper_fixed", "fp8_calibrated")]
+             ("fp8_calibrated_upper_fixed", "fp8"), ("fp8_calibrated_upper_fixed", "fp8_calibrated"),
+             ("fp8_calibrated", "fp8_fixed_wide"), ("fp8_fixed_wide", "fp8")]
     # primary: the last-10 mean; secondary: the mean over all steps (docs/results.md, the confirmation plan)
     return (table + "\n\n" + protocol_report.paired_table(last10, pairs) + "\n\n"
             + protocol_report.paired_table(every, pairs, measure="over all steps"))
