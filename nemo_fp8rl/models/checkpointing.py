@@ -11,8 +11,11 @@ What is saved, and how it reshards:
   a contiguous range ``[start, end)`` of each flattened parameter; the save all-reduces (sum) a zero
   tensor of the parameter's size into which each DP rank wrote its range, i.e. the full moment; the
   load cuts each rank's range back out. So an AdamW checkpoint resumes with the distributed optimizer
-  and vice versa, at any DP. The float32 main parameters of BF16 models are saved the same way
-  (``optimizer.state.main_param.<key>``), so BF16 rounding is not applied at a resume;
+  and vice versa, at any DP. The float32 main parameters of the distributed optimizer's non-float32
+  parameters are saved the same way (``optimizer.state.main_param.<key>``), so BF16 rounding is not
+  applied at a resume. Which parameters carry one is decided per parameter (:func:`_saves_main_param`)
+  and recorded by key in the local state (``main_params``); the load asks for exactly those, so a model
+  mixing BF16 and float32 parameters resumes too;
 - the Adam step count (one per optimizer; every parameter has the same), in each rank's local state;
 - the reference policy's weights (KL), as ``reference.<key>`` sharded like the model;
 - FP8 delayed-scaling state of the emulated linears, in each rank's local state keyed by *global*
@@ -116,13 +119,21 @@ def _dist_opt_ranges(actor, p):
     return None, 0, 0, None
 
 
+def _saves_main_param(actor, p) -> bool:
+    """Whether parameter p is saved with its float32 main parameter: the distributed optimizer keeps a
+    separate float32 copy of every non-float32 parameter (a float32 parameter is its own main
+    parameter, so the model weights already hold it)."""
+    return actor.ddp is not None and p.dtype != torch.float32
+
+
 def _full_moments(actor, p) -> dict[str, torch.Tensor]:
-    """This rank's TP-local moments (and main parameter, BF16 models) of parameter p, float32, p's shape."""
+    """This rank's TP-local moments (and main parameter, :func:`_saves_main_param`) of parameter p,
+    float32, p's shape."""
     if actor.ddp is None:
         st = actor.optimizer.state[p]
         return {k: st[k] for k in MOMENTS}
     opt, start, end, tensors = _dist_opt_ranges(actor, p)
-    keys = MOMENTS + (("main_param",) if p.dtype != torch.float32 else ())
+    keys = MOMENTS + (("main_param",) if _saves_main_param(actor, p) else ())
     out = {}
     for k in keys:
         full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
@@ -220,12 +231,15 @@ def checkpoint_state(actor) -> tuple[dict, dict]:
     model_sd = _model_sharded(actor)
     sharded = {"model": model_sd}
     step = _adam_step(actor)
+    main_keys = set()  # sharded keys of the parameters saved with a main parameter
     if step is not None:
         by_param = _param_to_sharded(model_sd)
         opt_sd = {}
         for name, p in _named_params(actor):
             for k, t in _full_moments(actor, p).items():
                 opt_sd[f"{k}.{name}"] = _like(by_param[id(p)], t, f"optimizer.state.{k}")
+                if k == "main_param":
+                    main_keys.add(by_param[id(p)].key)
         sharded["optimizer"] = opt_sd
     if actor._reference is not None:
         by_param = _param_to_sharded(model_sd)
@@ -238,12 +252,26 @@ def checkpoint_state(actor) -> tuple[dict, dict]:
         "layout": actor._layout(),
         "coords": {"tp_rank": actor.tp_rank, "pp_rank": actor.pp_rank, "dp_rank": actor.dp_rank},
         "adam_step": step,
-        "main_params": bool(actor.ddp is not None and any(p.dtype != torch.float32 for _, p in _named_params(actor))),
+        "main_params": sorted(main_keys),
         "has_reference": actor._reference is not None,
         "fp8": _to_global(actor.model, fp8_states(actor.model)),
         "reference_fp8": _to_global(actor.model, actor._reference_fp8),
     }
     return sharded, local
+
+
+def _main_param_keys(rank_states: list[dict]) -> Optional[set]:
+    """The sharded keys of the parameters saved with a main parameter, over every saved rank (global
+    keys: any layout reads them); None means every parameter. Checkpoints written before the keys were
+    recorded stored one flag, true when any parameter was not float32; only those where every parameter
+    was (BF16 TE models) could be loaded, so true reads as every parameter."""
+    keys = set()
+    for st in rank_states:
+        saved = st.get("main_params")
+        if saved is True:
+            return None
+        keys.update(saved or ())
+    return keys
 
 
 def _layout_key(layout: dict) -> tuple:
@@ -282,10 +310,11 @@ def load_checkpoint(actor, rank_states: list[dict], load_sharded: Callable[[dict
     by_param = _param_to_sharded(model_sd)
     moments = {}
     if step is not None:
-        keys = MOMENTS + (("main_param",) if saved0.get("main_params") else ())
+        main_keys = _main_param_keys(rank_states)
         opt_t = {}
         for name, p in params:
-            for k in keys:
+            has_main = main_keys is None or by_param[id(p)].key in main_keys
+            for k in MOMENTS + (("main_param",) if has_main else ()):
                 t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 moments[(name, k)] = t
                 opt_t[f"{k}.{name}"] = _like(by_param[id(p)], t, f"optimizer.state.{k}")
@@ -295,13 +324,12 @@ def load_checkpoint(actor, rank_states: list[dict], load_sharded: Callable[[dict
     loaded = load_sharded(template)
 
     actor.model.load_state_dict(loaded["model"])
-    if step is not None and saved0.get("main_params"):
-        # Saved by BF16 parameters with float32 main parameters: float32 parameters here take the main
-        # parameters (not their BF16 rounding).
-        with torch.no_grad():
-            for name, p in params:
-                if p.dtype == torch.float32:
-                    p.copy_(loaded["optimizer"][f"main_param.{name}"])
+    # Saved by a BF16 parameter with a float32 main parameter: a float32 parameter here takes the main
+    # parameter (not its BF16 rounding).
+    with torch.no_grad():
+        for name, p in params:
+            if p.dtype == torch.float32 and (name, "main_param") in moments:
+                p.copy_(loaded["optimizer"][f"main_param.{name}"])
     if step is not None:
         _load_adam(actor, params, {(n, k): loaded["optimizer"][f"{k}.{n}"] for (n, k) in moments}, step)
     elif actor.ddp is not None:

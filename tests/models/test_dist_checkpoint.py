@@ -143,6 +143,54 @@ def test_same_layout_resume_is_bit_exact(tmp_path, distributed):
         _load(_actor(fp8="tensorwise"), tmp_path)
 
 
+def _mixed_dtype_actor(seed):
+    """CPU distributed optimizer over BF16 matrices and float32 norm weights: the GPU layout before BF16
+    norms (megatron's torch norms ignored params_dtype), built by hand since the CPU path runs float32."""
+    from nemo_fp8rl.models import optim
+    from nemo_fp8rl.models.actor import FP8Actor
+
+    a = _actor(fp8=None, seed=seed)
+    with torch.no_grad():
+        for name, p in a.model.named_parameters():
+            if "layernorm" not in name:
+                p.data = p.data.to(torch.bfloat16)
+    ddp, opt = optim.build_distributed_optimizer(a.model, lr=1e-3, weight_decay=0.01, adam_betas=(0.9, 0.999),
+                                                 adam_eps=1e-8, grad_clip=1.0, device=torch.device("cpu"))
+    return FP8Actor(a.model, a.model_cfg, a.parallel_cfg, fp8_recipe=None, use_te=False, optimizer=opt,
+                    grad_clip=1.0, fp8_report=a.fp8_report, ddp=ddp)
+
+
+def test_mixed_dtype_distributed_optimizer_resumes(tmp_path):
+    """BF16 and float32 parameters under the distributed optimizer: main parameters are saved for the BF16
+    ones only, and the load asks for exactly those (it asked for every parameter's: megatron's KeyError
+    on `main_param.decoder.layers.input_layernorm.weight` on the H200). Same layout: bit-exact; AdamW on
+    float32 parameters takes the float32 main parameters, not their BF16 rounding."""
+    from nemo_fp8rl.models.checkpointing import _full_moments
+
+    batch = S.make_batch(S.CFG_B["vocab_size"])
+    a = _mixed_dtype_actor(0)
+    dtypes = {p.dtype for p in a.model.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32}
+    a.train_step(batch, S.pg_loss)
+    mains = {n: _full_moments(a, p)["main_param"].clone() for n, p in a.model.named_parameters()
+             if p.dtype == torch.bfloat16}
+    norms = {n: p.detach().clone() for n, p in a.model.named_parameters() if p.dtype == torch.float32}
+    _save(a, tmp_path)
+    a.train_step(batch, S.pg_loss)
+    want = a.get_logprobs(batch["tokens"])[0]
+
+    b = _mixed_dtype_actor(9)
+    _load(b, tmp_path)
+    b.train_step(batch, S.pg_loss)
+    assert torch.equal(b.get_logprobs(batch["tokens"])[0], want)
+
+    c = _actor(fp8=None, seed=9)  # AdamW, float32 parameters
+    _load(c, tmp_path)
+    got = dict(c.model.named_parameters())
+    assert mains and all(torch.equal(got[n], m) for n, m in mains.items())
+    assert norms and all(torch.equal(got[n], v) for n, v in norms.items())
+
+
 def test_corrupt_truncated_and_missing_dist_files_are_named(tmp_path):
     from nemo_fp8rl.trainer.checkpoint import CheckpointError, CheckpointManager
 
