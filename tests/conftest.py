@@ -1,14 +1,90 @@
-"""Markers: ``gpu`` (needs CUDA), ``slurm`` (needs a running SLURM), ``slow`` (opt-in with --run-slow)."""
+"""Markers: ``gpu`` (needs CUDA), ``slurm`` (needs a running SLURM), ``slow`` (opt-in with --run-slow).
+
+CPU test mode ``NEMO_FP8RL_TEST_CPU=avx2``: the tests see an AVX2-only x86 CPU (no AVX-512, no AMX), as on
+the AVX2-only AMD EPYC CI machines, whatever this machine has. Set before torch loads: torch's kernels are
+limited to AVX2 (``ATEN_CPU_CAPABILITY=avx2``), oneDNN's and MKL's too (``ONEDNN_MAX_CPU_ISA=AVX2``,
+``MKL_ENABLE_INSTRUCTIONS=AVX2``; subprocesses inherit these three). In the test process, torch's feature
+probes (``torch.cpu.get_capabilities()``, ``torch.cpu._is_avx512_supported()``, ``_is_amx_tile_supported()``
+and the like: what vLLM-CPU and :func:`nemo_fp8rl.rollout.vllm_support.cpu_features` read) answer False
+for AVX-512 and AMX, so a test that needs AVX-512 skips and a hardware check refuses as it would there
+(processes a test starts, e.g. vLLM's engine core, see the real probes). `make test` runs the feature-dependent
+test files a second time in this mode. The ``present_cpu`` fixture presents any CPU to one test.
+"""
 
 import importlib.util
 import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
+from types import MappingProxyType
 
-import pytest
-import torch
+TEST_CPU = os.environ.get("NEMO_FP8RL_TEST_CPU", "")
+"""The CPU the tests are shown: ``""`` (this machine's) or ``avx2`` (module docstring)."""
+if TEST_CPU not in ("", "avx2"):
+    raise RuntimeError(f"NEMO_FP8RL_TEST_CPU={TEST_CPU!r}: valid values are 'avx2' or unset")
+if TEST_CPU == "avx2":
+    if "torch" in sys.modules:
+        raise RuntimeError("NEMO_FP8RL_TEST_CPU=avx2: torch was imported before tests/conftest.py could limit its "
+                           "kernels to AVX2; set ATEN_CPU_CAPABILITY=avx2 in the environment as well")
+    for _key, _value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+                         ("MKL_ENABLE_INSTRUCTIONS", "AVX2")):
+        os.environ.setdefault(_key, _value)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+CPU_FEATURE_PREFIXES = {"avx512": ("avx512", "avx10"), "amx": ("amx",)}
+"""The x86 features a presented CPU sets, by the prefixes of torch's names for them (``avx512_f``, ``amx_tile``;
+its probes ``_is_avx512_supported``, ``_is_amx_tile_supported``, ...)."""
+
+
+def _presented(name: str, avx512: bool, amx: bool) -> bool | None:
+    """The presented value of the feature ``name`` (``avx512_bf16``, ``amx_tile``), None for other features."""
+    name = name.removeprefix("_is_")
+    for feature, value in (("avx512", avx512), ("amx", amx)):
+        if name.startswith(CPU_FEATURE_PREFIXES[feature]):
+            return value
+    return None
+
+
+def _set_cpu_probes(setattr_, avx512: bool, amx: bool) -> None:
+    """Make torch's CPU feature probes answer ``avx512`` / ``amx`` (``setattr_``: ``setattr`` or
+    ``monkeypatch.setattr``): ``torch.cpu.get_capabilities()`` (torch >= 2.10; the ``_is_*`` probes read it)
+    and every ``_is_avx512*`` / ``_is_amx*`` probe of ``torch.cpu`` and ``torch._C._cpu`` (older torch)."""
+    if hasattr(torch.cpu, "get_capabilities"):
+        caps = dict(torch.cpu.get_capabilities())
+        caps.update({k: v for k in ("avx512_f", "amx_tile", *caps) if (v := _presented(k, avx512, amx)) is not None})
+        setattr_(torch.cpu, "get_capabilities", lambda caps=MappingProxyType(caps): caps)
+    for mod in (torch.cpu, torch._C._cpu):
+        for name in dir(mod):
+            if name.startswith("_is_") and (value := _presented(name, avx512, amx)) is not None:
+                setattr_(mod, name, lambda value=value: value)
+
+
+if TEST_CPU == "avx2":
+    _set_cpu_probes(setattr, avx512=False, amx=False)
+
+
+@pytest.fixture
+def present_cpu(monkeypatch):
+    """``present_cpu(avx512=..., amx=...)`` shows this test an x86 CPU with (or without) AVX-512 and AMX: torch's
+    feature probes answer so until the test ends (what vLLM-CPU and our hardware checks read; the kernels
+    that run are this machine's)."""
+
+    def present(*, avx512: bool, amx: bool) -> None:
+        _set_cpu_probes(monkeypatch.setattr, avx512, amx)
+
+    return present
+
+
+def pytest_report_header(config):
+    if TEST_CPU:
+        return (f"NEMO_FP8RL_TEST_CPU={TEST_CPU}: an AVX2-only CPU is presented (torch CPU capability "
+                f"{torch.backends.cpu.get_cpu_capability()}, AVX-512 {torch.cpu._is_avx512_supported()}, "
+                f"AMX {torch.cpu._is_amx_tile_supported()})")
+    return None
 
 
 def _test_threads() -> int:

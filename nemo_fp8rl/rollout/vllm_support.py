@@ -36,6 +36,7 @@ __all__ = [
     "check_vllm_fp8_hardware",
     "check_vllm_kv_hardware",
     "check_vllm_supported",
+    "cpu_features",
     "scheme_name",
     "vllm_available",
 ]
@@ -229,22 +230,30 @@ def check_rollout_config(cfg: Any) -> None:
             raise ConfigError(str(e)) from None
 
 
-def _cpu_fp8_features() -> str:
+def cpu_features() -> dict[str, bool]:
+    """The CPU features vLLM-CPU's kernels are chosen by: ``{"avx512": bool, "amx": bool}``.
+
+    Read from torch's own probes, ``torch.cpu._is_avx512_supported()`` and
+    ``torch.cpu._is_amx_tile_supported()`` (private API), which are what vLLM-CPU itself asks (its attention
+    backend's ``_get_attn_isa``, its FP8 linear kernels); both False where a probe is missing or fails
+    (not x86). Every hardware check of this package reads the CPU through this function, so a test can
+    present another CPU by patching those probes (tests/conftest.py: ``NEMO_FP8RL_TEST_CPU=avx2`` presents an
+    AVX2-only CPU, the ``present_cpu`` fixture any combination).
+    """
     import torch
 
-    try:  # torch's own probe (private API; what vLLM's CPU FP8 kernels check)
-        amx = bool(torch.cpu._is_amx_tile_supported())
-    except Exception:  # noqa: BLE001 - a probe, not a requirement
-        amx = False
-    return f"AMX {'yes' if amx else 'no'}, AVX-512 {'yes' if _cpu_has('avx512f') else 'no'}"
+    def probe(name: str) -> bool:
+        try:
+            return bool(getattr(torch.cpu, name)())
+        except Exception:  # noqa: BLE001 - a probe, not a requirement
+            return False
+
+    return {"avx512": probe("_is_avx512_supported"), "amx": probe("_is_amx_tile_supported")}
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
+def _cpu_fp8_features() -> str:
+    f = cpu_features()
+    return f"AMX {'yes' if f['amx'] else 'no'}, AVX-512 {'yes' if f['avx512'] else 'no'}"
 
 
 def check_vllm_fp8_hardware(fp8_scheme: Any) -> None:
@@ -301,10 +310,10 @@ def check_vllm_kv_hardware(kv_cache: str, head_dim: int) -> None:
         return
     from vllm.platforms import CpuArchEnum, current_platform
 
-    why = None
+    why, features = None, cpu_features()
     if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
         why = f"vLLM-CPU keeps an FP8 KV cache on x86 only (this CPU: {current_platform.get_cpu_architecture().name})"
-    elif not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+    elif not (features["avx512"] or features["amx"]):
         why = "vLLM-CPU's FP8 KV cache needs AVX-512 or AMX, which this CPU lacks"
     elif head_dim % 32:
         why = f"vLLM-CPU's FP8 KV cache needs a head dimension divisible by 32, the model's is {head_dim}"

@@ -17,7 +17,7 @@ from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.fp8.kv_cache import KvScales
 from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
 from nemo_fp8rl.rollout.vllm_fp8 import LINEAR_SUFFIXES, ignored_linear_names, vllm_block_fp8_stream
-from nemo_fp8rl.rollout.vllm_support import check_vllm_kv_hardware, vllm_available
+from nemo_fp8rl.rollout.vllm_support import check_vllm_kv_hardware, cpu_features, vllm_available
 
 from .conftest import random_hf_weights
 
@@ -31,8 +31,9 @@ SCALES = KvScales(torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.011, 0.013, 0.0
 HP = (2,)  # the last layer is a high-precision edge layer: its cache stays float32
 
 needs_fp8_kv = pytest.mark.skipif(
-    not (vllm_available() and not torch.cuda.is_available() and torch.cpu._is_avx512_supported()),
-    reason="needs vLLM-CPU on an x86 CPU with AVX-512 (its FP8 KV cache)")
+    not (vllm_available() and not torch.cuda.is_available() and cpu_features()["avx512"]),
+    reason="needs vLLM-CPU on an x86 CPU with AVX-512 (its FP8 KV cache; an AVX2-only CPU, or one presented by "
+           "NEMO_FP8RL_TEST_CPU=avx2, has none)")
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -97,17 +98,57 @@ def test_new_scales_change_the_next_generation(engine):
     assert float((want - after.rollout_logp).abs().max()) < 1e-4
 
 
-def test_refused_where_vllm_cpu_has_no_fp8_cache(monkeypatch):
+def _refusal(head_dim: int) -> str | None:
+    """check_vllm_kv_hardware's refusal of an E4M3 cache on this (presented) CPU, or None."""
+    try:
+        check_vllm_kv_hardware("e4m3", head_dim)
+    except ValueError as e:
+        assert "\n" not in str(e) and "rollout.engine=torch" in str(e), str(e)
+        return str(e)
+    return None
+
+
+def test_refused_where_vllm_cpu_has_no_fp8_cache():
+    """On the CPU as it is (or as NEMO_FP8RL_TEST_CPU presents it): an x86 CPU with AVX-512 or AMX refuses
+    a head dimension that is not a multiple of 32 only; an AVX2-only CPU (the CI's AMD EPYC) refuses the
+    FP8 cache outright, whatever the head dimension."""
     if not vllm_available() or torch.cuda.is_available():
         pytest.skip("the CPU refusal needs vLLM-CPU")
     check_vllm_kv_hardware("off", 80)  # nothing to check
-    with pytest.raises(ValueError, match="divisible by 32.*rollout.engine=torch"):
-        check_vllm_kv_hardware("e4m3", 80)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    with pytest.raises(ValueError, match=r"AVX-512 or AMX.*rollout\.engine=torch") as e:
-        check_vllm_kv_hardware("e4m3", 64)
-    assert "\n" not in str(e.value)
+    features = cpu_features()
+    if features["avx512"] or features["amx"]:
+        assert "divisible by 32, the model's is 80" in _refusal(80) and _refusal(64) is None, features
+    else:
+        assert "AVX-512 or AMX, which this CPU lacks" in _refusal(80), features
+        assert "AVX-512 or AMX, which this CPU lacks" in _refusal(64), features
+
+
+@pytest.mark.parametrize("avx512,amx", [(True, False), (False, True), (True, True), (False, False)])
+def test_refusal_on_each_cpu_type_is_vllms(present_cpu, avx512, amx):
+    """Each x86 CPU type, presented to vLLM-CPU and to our check alike: we refuse exactly where vLLM's own
+    attention selection (``_get_attn_isa``) raises; the message names the missing AVX-512/AMX on an
+    AVX2-only CPU (a fix of the head dimension alone would not help there), else the head dimension."""
+    if not vllm_available() or torch.cuda.is_available():
+        pytest.skip("the CPU refusal needs vLLM-CPU")
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        pytest.skip("vLLM-CPU's FP8 KV cache is x86 only")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    present_cpu(avx512=avx512, amx=amx)
+    assert cpu_features() == {"avx512": avx512, "amx": amx}
+    for head_dim in (64, 80, 96, 128):
+        ours = _refusal(head_dim)
+        try:
+            _get_attn_isa(torch.bfloat16, 32, head_dim, "fp8_e4m3")
+            vllm_refuses = False
+        except NotImplementedError:
+            vllm_refuses = True
+        assert (ours is not None) == vllm_refuses, (head_dim, ours)
+        if ours is not None:
+            reason = "divisible by 32" if avx512 or amx else "AVX-512 or AMX"
+            assert reason in ours, (head_dim, ours)
 
 
 def test_edge_layers_in_the_block_fp8_sync_format():
