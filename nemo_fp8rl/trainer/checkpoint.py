@@ -70,6 +70,31 @@ FORMAT1_WAY_OUT = ("resume once with the saved parallel.* values and the same nu
                    "the next checkpoint that run writes is in the sharded format 2, which resumes at any layout")
 
 
+def infer_device(sharded: Any) -> torch.device:
+    """The device a sharded state dict's model lives on, for megatron's ``dist_checkpointing`` calls
+    (a CPU model's run inside the CPU shims of :mod:`nemo_fp8rl.models.cpu_schedules`, any other model's
+    run megatron's code untouched).
+
+    CUDA in a process whose default process group is NCCL (a CUDA run: the shims refuse to run there);
+    otherwise the device of the first tensor in ``sharded`` that is not on the CPU (a tensor, or the
+    ``.data`` of a megatron ``ShardedTensor``/``ShardedTensorFactory``); otherwise the CPU.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda")
+    stack = [sharded]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        else:
+            t = x if isinstance(x, torch.Tensor) else getattr(x, "data", None)
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                return t.device
+    return torch.device("cpu")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded as asked; the message names the file and the mismatch."""
 
@@ -101,15 +126,17 @@ class _PendingSave:
     meta: dict
     scheduled_at: float  # time.perf_counter() when save() returned
     schedule_s: float  # how long save() spent planning, staging and forking
+    device: Any  # the saved model's device (the finalize runs megatron on it too)
 
 
 class CheckpointManager:
     """Save/load/prune checkpoints of one run directory (all ranks call save and load together)."""
 
-    def __init__(self, output_dir: str, keep_last: int = 3, device="cpu", async_save: bool = False) -> None:
+    def __init__(self, output_dir: str, keep_last: int = 3, device=None, async_save: bool = False) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
         # Where the model lives: a CPU model's sharded save/load runs megatron inside the CPU shims.
+        # None: inferred from each saved state / load template and the process group (infer_device).
         self.device = device
         # Format-2 saves write dist/ in a forked writer while training goes on (trainer.async_save).
         self.async_save = async_save
@@ -163,12 +190,18 @@ class CheckpointManager:
                 "format": 1 if sharded is None else 2}
         if sharded is not None and self.async_save:
             t0 = time.perf_counter()
-            self._schedule_sharded(tmp, sharded, self.device)
-            self._pending = _PendingSave(step, tmp, final, meta, time.perf_counter(), time.perf_counter() - t0)
+            device = self._device_of(sharded)
+            self._schedule_sharded(tmp, sharded, device)
+            self._pending = _PendingSave(step, tmp, final, meta, time.perf_counter(), time.perf_counter() - t0,
+                                         device)
             return final
         if sharded is not None:
-            meta["dist_files"] = self._save_sharded(tmp, sharded, self.device)
+            meta["dist_files"] = self._save_sharded(tmp, sharded, self._device_of(sharded))
         return self._publish(tmp, final, meta)
+
+    def _device_of(self, sharded: dict):
+        """The device given to the constructor, else the one ``sharded`` lives on (:func:`infer_device`)."""
+        return self.device if self.device is not None else infer_device(sharded)
 
     def _publish(self, tmp: Path, final: Path, meta: dict) -> Path:
         """Steps 1 (``meta.json``, rank 0) and 2 of the write protocol, once every file is in ``tmp``."""
@@ -231,7 +264,7 @@ class CheckpointManager:
         d = p.tmp / DIST_DIR
         err, done = "", False
         try:
-            done = finalize_async_saves(self._calls, self.device, blocking)
+            done = finalize_async_saves(self._calls, p.device, blocking)
         except BaseException as e:  # noqa: BLE001
             err, done = dist_write_error(d, e), True
         if not done:  # the same answer on every rank (megatron's all-reduce)
@@ -330,7 +363,8 @@ class CheckpointManager:
         if bad:
             raise CheckpointError(bad[0])
         return ShardedCheckpoint(step=step, directory=d, saved_world_size=meta["world_size"], rank_states=states,
-                                 load_sharded=lambda template: dist_load(template, d / DIST_DIR, self.device))
+                                 load_sharded=lambda template: dist_load(template, d / DIST_DIR,
+                                                                          self._device_of(template)))
 
     @staticmethod
     def _verify_file(d: Path, entry: dict) -> None:
