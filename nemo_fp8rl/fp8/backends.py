@@ -175,11 +175,19 @@ class QuantizedOperand:
     data: [R, K] FP8, contiguous (row-major). scale_inv (float32) by granularity:
     ``tensor`` [] ; ``row`` [R, 1] ; ``(1, B)`` [R, K/B] (one per 1xB block of a row) ;
     ``(B, B)`` [R/B, K/B] (one per BxB tile).
+
+    ``prepared``: data and scale_inv are already in the layout torch's scaled GEMM takes for this
+    operand's position (the Triton kernels write them so: ``kernels/cast_transpose.py``), and
+    :func:`scaled_mm_args` passes them through untouched; ``rows``: the logical row count when data
+    carries padding rows (a 1x128 A operand padded to a multiple of 4), so the result keeps the first
+    ``rows``.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     granularity: object
+    prepared: bool = False
+    rows: Optional[int] = None
 
     def t(self) -> "QuantizedOperand":
         """The transposed operand (same FP8 values): valid for per-tensor scales and 2-D tiles."""
@@ -203,6 +211,8 @@ class QuantizedOperand:
 
     def dequantize(self) -> torch.Tensor:
         """x_hat [R, K] float32: every element times its group's scale-inverse (the readable definition)."""
+        if self.prepared and isinstance(self.granularity, tuple):
+            raise ValueError("a prepared block-scaled operand holds torch's scale layout; dequantize the reference")
         q = self.data.float()
         g = self.granularity
         if g == "tensor":
@@ -267,6 +277,8 @@ def scaled_mm_args(a: QuantizedOperand, b: QuantizedOperand) -> Tuple[torch.Tens
     """
     ga, gb = a.granularity, b.granularity
     mat_a, mat_b = a.data, b.data.t()
+    if a.prepared and b.prepared:
+        return mat_a, mat_b, a.scale_inv, b.scale_inv
     if ga == "tensor" and gb == "tensor":
         return mat_a, mat_b, a.scale_inv.reshape(()).float(), b.scale_inv.reshape(()).float()
     if ga == "row" and gb == "row":
@@ -448,7 +460,7 @@ def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype
         _FP32_REFUSED[kind] = f"{type(e).__name__}: {e}"[:300]
         logger.warning("FP8 torch backend: the %s-scaled kernel refused a float32 output (%s); asking for bf16 "
                        "from now on (logged once)", kind, _FP32_REFUSED[kind])
-    m = a.data.shape[0]
+    m = a.rows if a.rows is not None else a.data.shape[0]
     if out.shape[0] != m:
         out = out[:m]
     if out.dtype != out_dtype:

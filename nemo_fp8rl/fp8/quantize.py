@@ -141,6 +141,14 @@ class Fp8Stats:
         self.numel = torch.zeros((), dtype=torch.int64, device=dev)
         self.nonfinite_amax = torch.zeros((), dtype=torch.int64, device=dev)
 
+    def to_device(self, dev) -> None:
+        """Move the counters to ``dev`` (once; the kernels add into them in place)."""
+        dev = torch.device(dev)
+        if self.numel.device != dev:
+            self.saturated, self.numel, self.nonfinite_amax = (
+                t.to(dev) for t in (self.saturated, self.numel, self.nonfinite_amax)
+            )
+
     def add(self, saturated: Optional[torch.Tensor], numel: int, nonfinite: torch.Tensor) -> None:
         """Add one quantization's counts (tensors from the quantizer; no host sync).
 

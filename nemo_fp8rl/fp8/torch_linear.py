@@ -23,10 +23,11 @@ from typing import Optional
 
 import torch
 
+from nemo_fp8rl.fp8 import kernels
 from nemo_fp8rl.fp8.backends import QuantizedOperand, scaled_gemm
-from nemo_fp8rl.fp8.linear import Fp8LinearState, _delayed_scale
 from nemo_fp8rl.fp8.quantize import _quantize_impl
 from nemo_fp8rl.fp8.recipes import Fp8Recipe
+from nemo_fp8rl.fp8.state import Fp8LinearState, _delayed_scale
 
 
 def quantize_operand_fp8(
@@ -57,6 +58,19 @@ def quantize_operand_fp8(
     if gran[0] == 1:  # scale_inv [R, K/B, 1] -> [R, K/B]
         return QuantizedOperand(data, scale_inv[..., 0], gran)
     return QuantizedOperand(data, scale_inv[:, 0, :, 0].contiguous(), gran)  # [R/B, 1, K/B, 1] -> [R/B, K/B]
+
+
+def _cached(state: Optional[Fp8LinearState], weight: torch.Tensor, key: str, make):
+    """``make()``, or its value from this step's weight cache (:func:`~nemo_fp8rl.fp8.linear.fp8_weight_cache`:
+    valid while the weight's storage, shape and version are unchanged; nothing is kept outside the block)."""
+    cache = state.weight_cache if state is not None else None
+    if cache is None or not cache.active:
+        return make()
+    hit = cache.get(weight, key)
+    if hit is None:
+        hit = make()
+        cache.put(weight, key, hit)
+    return hit
 
 
 def _pad_rows_to(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -93,7 +107,7 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         out_dtype = _gemm_out_dtype(x.dtype)
         xq = quantize_operand_fp8(x2, "input", recipe, state, record)
-        wq = quantize_operand_fp8(weight, "weight", recipe, state, record)
+        wq = _cached(state, weight, "torch_fwd", lambda: quantize_operand_fp8(weight, "weight", recipe, state, record))
         # the bias goes into the GEMM's epilogue where torch allows it, else it is added in out_dtype
         y = scaled_gemm(xq, wq, out_dtype, fast_accum=forward_fast_accum(recipe), bias=bias)
         per_tensor = recipe.granularity_for("input") == "tensor" and recipe.wgrad_fp8
@@ -105,6 +119,8 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
         )
         ctx.reuse_x, ctx.reuse_w, ctx.has_bias = per_tensor, weight_tiles, bias is not None
         ctx.gran_w = wq.granularity
+        ctx.weight_ref = weight  # the cache key of W^T (not saved for backward: a reference only)
+        ctx.w_dtype = weight.dtype
         ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype = recipe, state, x.shape, x.dtype
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -117,8 +133,8 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             gq = quantize_operand_fp8(g, "grad_output", recipe, state, record=True)  # [M, N] along N
-            if ctx.reuse_w:
-                wq_t = QuantizedOperand(w_saved, w_sinv, ctx.gran_w).t()  # W^T [K, N]
+            if ctx.reuse_w:  # W^T [K, N], once per step inside fp8_weight_cache
+                wq_t = _cached(state, ctx.weight_ref, "torch_bwd", lambda: QuantizedOperand(w_saved, w_sinv, ctx.gran_w).t())
             else:
                 wq_t = quantize_operand_fp8(w_saved.t(), "weight", recipe, state, record=False)
             grad_x = scaled_gemm(gq, wq_t, out_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)  # .to: no-op unless float64
@@ -139,9 +155,176 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
                     xq_w = quantize_operand_fp8(x_t, "input", recipe, state, record=False)
                 if not blockwise:
                     gq_w, xq_w = gq_w.pad_reduction(mult), xq_w.pad_reduction(mult)
-                grad_w = scaled_gemm(gq_w, xq_w, torch.float32)
+                grad_w = scaled_gemm(gq_w, xq_w, _gemm_out_dtype(ctx.w_dtype))  # the parameter's dtype: no cast after
             else:
-                grad_w = g.t().float() @ x_saved.float()  # wgrad_fp8=False: the high-precision GEMM
+                grad_w = (g.t().float() @ x_saved.float()).to(ctx.w_dtype)  # wgrad_fp8=False: the high-precision GEMM
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0, dtype=torch.float32)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------------
+# The kernel path: every layout of an operand from one Triton launch (kernels/cast_transpose.py)
+# ------------------------------------------------------------------------------------------------------
+
+KERNEL_SCALINGS = ("tensorwise", "delayed", "blockwise")
+"""Recipes whose three GEMMs the Triton kernels feed (rowwise and mxfp8 keep the compiled quantizer)."""
+
+
+def kernel_path_refusal(recipe: Fp8Recipe, device) -> Optional[str]:
+    """Why :class:`_Fp8KernelLinearFn` does not run this recipe on ``device`` (None: it does)."""
+    why = kernels.kernel_unavailable(device)
+    if why:
+        return why
+    if recipe.scaling not in KERNEL_SCALINGS:
+        return f"{recipe.scaling}: no cast-transpose kernel (recipes with one: {', '.join(KERNEL_SCALINGS)})"
+    if not recipe.wgrad_fp8:
+        return "wgrad_fp8=false: the wgrad GEMM is high precision, the reference path runs it"
+    if recipe.scaling == "blockwise":
+        if recipe.input_block != 128 or recipe.weight_block != 128:
+            return "blockwise kernels use 128 blocks"
+        if recipe.format_for("grad_output").name == "e5m2" and not recipe.pow2_scales:
+            return hybrid_blockwise_refusal(recipe)
+    return None
+
+
+def hybrid_blockwise_refusal(recipe: Fp8Recipe) -> Optional[str]:
+    """The torch backend's rule for ``blockwise`` + ``fp8_format=hybrid`` (E5M2 gradients).
+
+    torch's 1x128/128x128 kernels take E4M3 x E4M3 only, so the dgrad and wgrad GEMMs of E5M2 gradients
+    run as bf16 GEMMs of the dequantized operands. That is exact only with power-of-two scales: an FP8
+    value (<= 4 significant bits) times 2^k is a bf16 value (8 bits) unless it falls below bf16's
+    subnormal range (a 1x128 group whose amax is under ~1e-31). With float32 scales it is not, and the
+    only exact alternative is a float32 GEMM ~10x slower than BF16: refused (None: allowed).
+    """
+    if recipe.scaling == "blockwise" and recipe.format_for("grad_output").name == "e5m2" and not recipe.pow2_scales:
+        return ("fp8=blockwise with fp8_format=hybrid and pow2_scales=false cannot run on the torch backend: torch's "
+                "block-scaled GEMMs take E4M3 x E4M3 only, and E5M2 gradients with float32 scales are not exact in "
+                "the bf16 GEMM that replaces them (it would need a float32 GEMM, ~10x slower than BF16). Use "
+                "fp8.pow2_scales=true (the blockwise default), fp8_format=e4m3, or fp8.backend=emulate|te")
+    return None
+
+
+def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool):
+    """``(forward B operand, dgrad B operand)`` of the weight: FP8 W and W^T from one kernel launch.
+
+    tensorwise/delayed: W [N, K] and W^T [K, N] with one scale; blockwise: 128x128 tiles of W and W^T
+    (hybrid: W^T's place holds W's dequantized bf16 values for the bf16 dgrad GEMM).
+    """
+    ops = kernels.ops()
+    fmt = recipe.format_for("weight").name
+    stats = state.stats if state is not None else None
+    if recipe.scaling == "blockwise":
+        hybrid = recipe.format_for("grad_output").name == "e5m2"
+        (q, s), bwd = ops.cast_weight_tiles(weight, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
+                                            transpose_bf16=hybrid, stats=stats)
+        fwd = QuantizedOperand(q, s, (128, 128), prepared=True)
+        if hybrid:
+            return fwd, bwd
+        return fwd, QuantizedOperand(bwd[0], bwd[1], (128, 128), prepared=True)
+    meta, scale = _delayed_scale(weight, "weight", recipe, state)
+    q, qt, sinv, amax = ops.cast_transpose_tensorwise(weight, fmt, scale=scale, pow2=recipe.pow2_scales,
+                                                     eps=recipe.amax_epsilon, col_pad=1, stats=stats)
+    if meta is not None and record:
+        meta.record_and_update(amax, recipe, "weight")
+    return QuantizedOperand(q, sinv, "tensor", prepared=True), QuantizedOperand(qt, sinv, "tensor", prepared=True)
+
+
+class _Fp8KernelLinearFn(torch.autograd.Function):
+    """:class:`_Fp8TorchLinearFn` with every operand quantized by one Triton launch into all its layouts.
+
+    Same GEMMs, same FP8 values (bit for bit: ``tests/fp8/test_kernels.py``), same delayed-scaling
+    bookkeeping; what changes is the traffic around the GEMMs (issue 38's profile: three transposed
+    copies, a separate amax pass per operand, the weight re-quantized per call, wgrad cast after):
+
+    * forward: x -> x [M, K] (fprop) and x^T [K, M16] (wgrad, saved instead of x); W -> W and W^T,
+      cached per optimizer step inside ``fp8_weight_cache``;
+    * backward: dy -> dy [M, N] (dgrad) and dy^T [N, M16] (wgrad) from one read;
+    * wgrad is written by the GEMM in the weight's dtype; dgrad in the input's.
+
+    blockwise: 1x128 groups of both layouts from one 128x128 tile read (x^T's groups run along the
+    tokens, padded to 128), 128x128 weight tiles. blockwise + hybrid: the forward is E4M3 x E4M3 on the
+    kernel; dgrad and wgrad multiply the dequantized E5M2 gradient and E4M3 operands in bf16 (exact
+    with power-of-two scales: :func:`hybrid_blockwise_refusal`), fp32 accumulation as in the FP8 kernel.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool):
+        ops = kernels.ops()
+        x2 = x.reshape(-1, x.shape[-1])
+        m = x2.shape[0]
+        out_dtype = _gemm_out_dtype(x.dtype)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        stats = state.stats if state is not None else None
+        block = recipe.scaling == "blockwise"
+        hybrid = block and recipe.format_for("grad_output").name == "e5m2"
+        wq, wq_bwd = _cached(state, weight, "kernel", lambda: _weight_layouts(weight, recipe, state, record))
+        fmt = recipe.format_for("input").name
+        if block:
+            xrow, xcol = ops.cast_transpose_blockwise(x2, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
+                                                      col=need_wgrad, col_bf16=hybrid, stats=stats)
+            xq = QuantizedOperand(xrow[0], xrow[1], (1, 128), prepared=True, rows=m)
+            x_saved = xcol if (hybrid or xcol is None) else QuantizedOperand(xcol[0], xcol[1], (1, 128), prepared=True)
+        else:
+            meta, scale = _delayed_scale(x2, "input", recipe, state)
+            q, qt, sinv, amax = ops.cast_transpose_tensorwise(x2, fmt, scale=scale, pow2=recipe.pow2_scales,
+                                                             eps=recipe.amax_epsilon, write_col=need_wgrad,
+                                                             col_pad=16, stats=stats)
+            if meta is not None and record:
+                meta.record_and_update(amax, recipe, "input")
+            xq = QuantizedOperand(q, sinv, "tensor", prepared=True)
+            x_saved = QuantizedOperand(qt, sinv, "tensor", prepared=True) if qt is not None else None
+        y = scaled_gemm(xq, wq, out_dtype, fast_accum=forward_fast_accum(recipe), bias=bias)
+        ctx.x_saved, ctx.w_saved = x_saved, (wq_bwd if need_dgrad else None)
+        ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, state, x.shape, x.dtype, weight.dtype
+        ctx.block, ctx.hybrid, ctx.has_bias = block, hybrid, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        ops = kernels.ops()
+        recipe, state = ctx.recipe, ctx.state
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        m = g.shape[0]
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        stats = state.stats if state is not None else None
+        fmt = recipe.format_for("grad_output").name
+        grad_x = grad_w = grad_b = None
+        x_saved, w_saved = ctx.x_saved, ctx.w_saved
+        ctx.x_saved = ctx.w_saved = None  # free the FP8 copies with the graph
+        if ctx.block:
+            grow, gcol = ops.cast_transpose_blockwise(g, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
+                                                      row=need_dgrad, col=need_wgrad, row_bf16=ctx.hybrid,
+                                                      col_bf16=ctx.hybrid, stats=stats)
+            if need_dgrad:
+                if ctx.hybrid:
+                    grad_x = torch.mm(grow, w_saved)  # bf16 [M, N] @ [N, K], fp32 accumulation
+                else:
+                    gq = QuantizedOperand(grow[0], grow[1], (1, 128), prepared=True, rows=m)
+                    grad_x = scaled_gemm(gq, w_saved, _gemm_out_dtype(ctx.x_dtype))
+            if need_wgrad:
+                if ctx.hybrid:
+                    grad_w = torch.mm(gcol.t(), x_saved)  # bf16 [N, M] @ [M, K]
+                else:
+                    gq_w = QuantizedOperand(gcol[0], gcol[1], (1, 128), prepared=True)
+                    grad_w = scaled_gemm(gq_w, x_saved, _gemm_out_dtype(ctx.w_dtype))
+        else:
+            meta, scale = _delayed_scale(g, "grad_output", recipe, state)
+            q, qt, sinv, amax = ops.cast_transpose_tensorwise(g, fmt, scale=scale, pow2=recipe.pow2_scales,
+                                                             eps=recipe.amax_epsilon, write_row=need_dgrad,
+                                                             write_col=need_wgrad, col_pad=16, stats=stats)
+            if meta is not None:
+                meta.record_and_update(amax, recipe, "grad_output")
+            if need_dgrad:
+                grad_x = scaled_gemm(QuantizedOperand(q, sinv, "tensor", prepared=True), w_saved,
+                                     _gemm_out_dtype(ctx.x_dtype))
+            if need_wgrad:
+                grad_w = scaled_gemm(QuantizedOperand(qt, sinv, "tensor", prepared=True), x_saved,
+                                     _gemm_out_dtype(ctx.w_dtype))
+        if grad_x is not None:
+            grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+        if grad_w is not None and grad_w.dtype != ctx.w_dtype:
+            grad_w = grad_w.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0, dtype=torch.float32)
         return grad_x, grad_w, grad_b, None, None, None

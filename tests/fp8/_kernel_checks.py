@@ -1,0 +1,297 @@
+"""The Triton cast-transpose kernels against the readable quantizer, bit for bit, in Triton's CPU interpreter.
+
+Run by ``test_kernels.py`` in a process of its own: Triton's interpreter must be switched on
+(``TRITON_INTERPRET=1``) before anything imports Triton, which in the test session has happened long before.
+
+``kernels/cast_transpose.py`` writes every FP8 layout of an operand from one read; ``quantize.py`` is the
+definition. Here each kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``: the same kernel code,
+executed with numpy on the CPU) and every output is compared with the eager quantizer's bits: FP8 data,
+scale-inverses, amax, the padding the GEMMs need, and the FP8 counters. The FP8 cast itself is checked on
+all 65,536 bf16 and fp16 bit patterns. The GPU's own run of the same kernels is checked by the GPU check's
+parity part (``benchmarks/gpu/part_parity.py``) against the CPU's reference bits.
+
+The interpreter is slow (numpy per tile), so shapes are small; they still hit partial tiles, padding rows,
+zero, tiny, inf and NaN groups.
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through tests/fp8/test_kernels.py (needs TRITON_INTERPRET=1 before Triton is imported)",
+                allow_module_level=True)
+
+from nemo_fp8rl.fp8 import Fp8LinearState, fp8_linear, fused, get_recipe, quantize  # noqa: E402
+from nemo_fp8rl.fp8 import kernels  # noqa: E402
+from nemo_fp8rl.fp8.formats import get_format  # noqa: E402
+from nemo_fp8rl.fp8.quantize import Fp8Stats  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return kernels.ops()
+
+
+@pytest.fixture(autouse=True)
+def _eager_reference():
+    with fused.compile_mode_set("false"):  # the reference is the eager quantizer
+        yield
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits; two NaNs count as equal whatever their sign or payload."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    both_nan = torch.isnan(a.float()) & torch.isnan(b.float())
+    return bool(((_bits(a) == _bits(b)) | both_nan).all())
+
+
+def _edge(rows: int, cols: int, dtype: torch.dtype, seed: int = 3) -> torch.Tensor:
+    """Random values with an all-zero 128x128 tile / 1x128 block, a tiny-amax row, a saturating value,
+    ties of the FP8 grid, and (in the last rows) inf and NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * 3
+    x[:128, :128] = 0.0
+    x[130, :] *= 1e-38
+    x[131, 5] = 1e6
+    x[132, :8] = torch.tensor([0.5625, 0.59375, -1.0625, 17.0, 18.0, -0.001953125 * 1.5, 2.0**-7 * 1.5, -0.0])
+    return x.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the FP8 cast (integer bit operations in the kernel)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_matches_torch_on_every_16_bit_pattern(ops, fmt, dtype):
+    """scale 1 given: q = fp8(clamp(x, -M, M)) for all 65,536 patterns (ties, +-0, subnormals, NaN, inf)."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
+    f = get_format(fmt)
+    q, qt, sinv, amax = ops.cast_transpose_tensorwise(x, fmt, scale=torch.tensor(1.0), col_pad=1)
+    ref = torch.clamp(x.float(), -f.max, f.max).to(f.dtype)
+    assert _same(q, ref)
+    assert _same(qt, ref.t().contiguous())
+    assert float(sinv) == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_cast_matches_torch_where_rounding_carries_into_the_exponent(ops, fmt):
+    """float32 values just below each power of two and halfway points (the interpreter's own float8 cast
+    gets -124.2 -> -64 wrong; ours must give torch's -128)."""
+    f = get_format(fmt)
+    p = torch.tensor([2.0 ** e for e in range(-20, 17)])
+    x = torch.cat([p * (1 - 2.0**-6), p * (1 - 2.0**-4), -p * 0.97, p * 1.0625, p * 1.1875, torch.tensor([-124.2])])
+    x = torch.cat([x, torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100])
+    x = x[: (x.numel() // 16) * 16].reshape(16, -1)
+    q, _, _, _ = ops.cast_transpose_tensorwise(x, fmt, scale=torch.tensor(1.0), write_col=False)
+    assert _same(q, torch.clamp(x, -f.max, f.max).to(f.dtype))
+
+
+# ------------------------------------------------------------------------------------------------------
+# per-tensor scales (tensorwise, delayed)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,pow2,eps,margin", [("e4m3", False, 0.0, 0), ("e5m2", True, 0.0, 0),
+                                                ("e4m3", False, 1e-12, 1)])
+@pytest.mark.parametrize("special", ["finite", "inf", "nan", "zero", "tiny"])
+def test_tensorwise_current_scale_is_the_reference(ops, dtype, fmt, pow2, eps, margin, special):
+    """q, q^T (zero-padded to 16 columns), scale_inv and amax equal quantize(x, 'tensor') on edge tensors."""
+    x = _edge(150, 96, torch.float32)[:150]
+    if special == "inf":
+        x[140, 3] = float("inf")
+    elif special == "nan":
+        x[141, 7] = float("nan")
+    elif special == "zero":
+        x.zero_()
+    elif special == "tiny":
+        x = x * 1e-39
+    x = x.to(dtype)
+    stats_k, stats_r = Fp8Stats(), Fp8Stats()
+    q, qt, sinv, amax = ops.cast_transpose_tensorwise(x, fmt, pow2=pow2, eps=eps, margin=margin, col_pad=16,
+                                                     stats=stats_k)
+    from nemo_fp8rl.fp8.quantize import _quantize_impl
+
+    data, s, amax_ref = _quantize_impl(x, get_format(fmt), "tensor", 1, pow2, margin, eps, 32, None, stats_r,
+                                       False, False, torch.float32)
+    assert _same(q, data)
+    assert _same(sinv, (1.0 / s).reshape(()))
+    assert _same(amax, amax_ref.float().reshape(()))
+    assert qt.shape == (96, 160)
+    assert _same(qt[:, :150], data.t().contiguous()) and bool((_bits(qt[:, 150:]) == 0).all())
+    for k in ("saturated", "numel", "nonfinite_amax"):
+        assert torch.equal(getattr(stats_k, k), getattr(stats_r, k)), k
+
+
+def test_tensorwise_strided_input_reads_in_place(ops):
+    """A transposed view is read through its strides: the same bits as its contiguous copy."""
+    x = _edge(160, 144, torch.bfloat16)
+    a = ops.cast_transpose_tensorwise(x.t(), "e4m3")
+    b = ops.cast_transpose_tensorwise(x.t().contiguous(), "e4m3")
+    assert all(_same(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_delayed_given_scale_counts_saturation_and_records_amax(ops, fmt):
+    """A given (delayed) scale: the same q, amax of this tensor (what the history records), and the
+    saturated / non-finite counters of the eager quantizer."""
+    x = _edge(140, 64, torch.bfloat16)
+    x[139, 1] = float("inf")
+    scale = torch.tensor(300.0)  # large: many values saturate
+    sk, sr = Fp8Stats(), Fp8Stats()
+    q, qt, sinv, amax = ops.cast_transpose_tensorwise(x, fmt, scale=scale, stats=sk)
+    from nemo_fp8rl.fp8.quantize import _quantize_impl
+
+    data, s, amax_ref = _quantize_impl(x, get_format(fmt), "tensor", 1, False, 0, 0.0, 32, scale, sr, False, False,
+                                       torch.float32)
+    assert _same(q, data) and _same(sinv, (1.0 / s).reshape(())) and _same(amax, amax_ref.float().reshape(()))
+    assert int(sk.saturated) > 0
+    for k in ("saturated", "numel", "nonfinite_amax"):
+        assert torch.equal(getattr(sk, k), getattr(sr, k)), k
+
+
+# ------------------------------------------------------------------------------------------------------
+# block scales (blockwise)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _ref_1x128(x: torch.Tensor, fmt: str, pow2: bool, eps: float, dim: int):
+    """Reference 1x128 quantization of x along ``dim``: ``(data [R', C'] with the blocks along the last
+    dim, scale_inv [R', C'/128])``, x transposed first for dim 0."""
+    t = x if dim == 1 else x.t()
+    pad = (-t.shape[1]) % 128
+    t = torch.nn.functional.pad(t, (0, pad)) if pad else t
+    data, sinv = quantize(t, fmt, (1, 128), dim=1, pow2_scales=pow2, eps=eps)
+    return data.reshape(t.shape[0], -1), sinv[..., 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt,pow2,eps", [("e4m3", True, 0.0), ("e5m2", True, 0.0), ("e4m3", False, 1e-12)])
+def test_blockwise_both_layouts_are_the_reference(ops, dtype, fmt, pow2, eps):
+    """Row layout (1x128 along C, rows padded to 4 with zeros) and column layout (1x128 along R = the
+    tokens, transposed, padded to 128) from one launch equal two reference quantizations, scales in
+    torch's column-major layout, counters as the reference's two quantizations count them."""
+    x = _edge(261, 256, torch.float32)
+    x[200, 9] = float("inf")
+    x[250, 17] = float("nan")
+    x = x.to(dtype)
+    sk = Fp8Stats()
+    row, col = ops.cast_transpose_blockwise(x, fmt, pow2=pow2, eps=eps, stats=sk)
+    d_r, s_r = _ref_1x128(x, fmt, pow2, eps, dim=1)
+    q, sq = row
+    assert q.shape == (264, 256) and sq.shape == (264, 2) and sq.stride() == (1, 264)
+    assert _same(q[:261], d_r) and bool((_bits(q[261:]) == 0).all())
+    # padding rows: zeros, whatever their (finite) scale: scale 1 without eps, as backends._pad_rows writes
+    assert _same(sq[:261], s_r) and bool(torch.isfinite(sq[261:]).all()) and (eps > 0 or bool((sq[261:] == 1).all()))
+    d_c, s_c = _ref_1x128(x, fmt, pow2, eps, dim=0)
+    qt, sqt = col
+    assert qt.shape == (256, 384) and sqt.shape == (256, 3) and sqt.stride() == (1, 256)
+    assert _same(qt, d_c) and _same(sqt, s_c)
+    sr = Fp8Stats()
+    quantize(x, fmt, (1, 128), dim=1, pow2_scales=pow2, eps=eps, stats=sr)
+    quantize(torch.nn.functional.pad(x.t(), (0, 123)), fmt, (1, 128), dim=1, pow2_scales=pow2, eps=eps, stats=sr)
+    assert torch.equal(sk.numel, sr.numel) and torch.equal(sk.nonfinite_amax, sr.nonfinite_amax)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_weight_tiles_and_their_transpose_are_the_reference(ops, dtype, pow2):
+    """128x128 tiles of W and W^T (same scale per tile) with torch's padded scale layouts."""
+    w = _edge(384, 640, torch.float32)
+    w[300, 600] = float("nan")
+    w = w.to(dtype)
+    (q, s), (qt, st) = ops.cast_weight_tiles(w, "e4m3", pow2=pow2)
+    data, sinv = quantize(w, "e4m3", (128, 128), pow2_scales=pow2)  # [3, 5, 128, 128], [3, 5, 1, 1]
+    ref = data.permute(0, 2, 1, 3).reshape(384, 640)
+    tiles = sinv[:, :, 0, 0]  # [N/128, K/128]
+    assert _same(q, ref) and _same(qt, ref.t().contiguous())
+    assert s.shape == (8, 3) and s.stride() == (1, 8)  # [L4, N/128]: K/128 = 5 padded to 8
+    assert _same(s[:5], tiles.t().contiguous()) and bool((s[5:] == 1).all())
+    assert st.shape == (4, 5) and st.stride() == (1, 4)  # [LT4, K/128]: N/128 = 3 padded to 4
+    assert _same(st[:3], tiles.contiguous()) and bool((st[3:] == 1).all())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_bf16_dequantized_layouts_are_exact_with_pow2_scales(ops, fmt):
+    """``fp8_format=hybrid`` runs dgrad/wgrad as bf16 GEMMs of dequantized operands. With power-of-two
+    scales q * 2^-k is a bf16 value (q has <= 4 significant bits): the bf16 outputs equal the float32
+    dequantized reference exactly (groups of normal magnitude; see ``hybrid_blockwise_refusal``)."""
+    x = _edge(200, 256, torch.bfloat16)[:, :256].clone()
+    x[130] = 1.0  # drop the 1e-38 row: below bf16's subnormal range the bf16 value would round
+    row, col = ops.cast_transpose_blockwise(x, fmt, pow2=True, row_bf16=True, col_bf16=True)
+    d_r, s_r = _ref_1x128(x, fmt, True, 0.0, dim=1)
+    deq_r = (d_r.float().reshape(200, 2, 128) * s_r[..., None]).reshape(200, 256)
+    assert row.dtype == torch.bfloat16 and torch.equal(row.float(), deq_r)
+    d_c, s_c = _ref_1x128(x, fmt, True, 0.0, dim=0)
+    deq_c = (d_c.float().reshape(256, 2, 128) * s_c[..., None]).reshape(256, 256)[:, :200].t()
+    assert col.shape == (200, 256) and torch.equal(col.float(), deq_c)
+    w = _edge(256, 384, torch.bfloat16)
+    w[130] = 1.0
+    _, w_hat = ops.cast_weight_tiles(w, "e4m3", pow2=True, transpose_bf16=True)
+    data, sinv = quantize(w, "e4m3", (128, 128), pow2_scales=True)
+    ref = (data.float() * sinv).permute(0, 2, 1, 3).reshape(256, 384)
+    assert w_hat.dtype == torch.bfloat16 and torch.equal(w_hat.float(), ref)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the linear: kernel path against the reference torch path (CPU scaled GEMM: per-tensor scales)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _run_linear(recipe_name: str, kernel: bool, monkeypatch, steps: int = 2):
+    monkeypatch.setenv("NEMO_FP8RL_KERNELS", "interpret" if kernel else "0")
+    torch.manual_seed(0)
+    rec = get_recipe(recipe_name)
+    w = (torch.randn(96, 64) * 0.05).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(96).to(torch.bfloat16).requires_grad_()
+    state = Fp8LinearState(rec)
+    outs = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = (torch.randn(3, 33, 64, generator=g) * 2).to(torch.bfloat16).requires_grad_()
+        y = fp8_linear(x, w, b, rec, state, backend="torch")
+        gy = torch.randn(y.shape, generator=g).to(torch.bfloat16)
+        y.backward(gy)
+        outs += [y.detach(), x.grad, w.grad.clone(), b.grad.clone()]
+        w.grad = b.grad = None
+    outs += [state.stats.saturated.cpu(), state.stats.numel.cpu(), state.stats.nonfinite_amax.cpu()]
+    if rec.scaling == "delayed":
+        outs += [m.amax_history.cpu() for m in state.delayed.values()] + [m.scale.cpu() for m in state.delayed.values()]
+    return outs
+
+
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "delayed"])
+def test_kernel_linear_equals_the_reference_torch_path(recipe_name, monkeypatch, ops):
+    """Forward, dgrad, wgrad (in the weight's dtype), bias grad, counters and delayed history: the same
+    bits from the kernel path as from the reference path (same FP8 operands into the same GEMMs)."""
+    from nemo_fp8rl.fp8 import torch_linear
+
+    monkeypatch.setenv("NEMO_FP8RL_KERNELS", "interpret")
+    assert torch_linear.kernel_path_refusal(get_recipe(recipe_name), "cpu") is None
+    ref = _run_linear(recipe_name, False, monkeypatch)
+    got = _run_linear(recipe_name, True, monkeypatch)
+    assert got[2].dtype == torch.bfloat16  # wgrad straight in the parameter's dtype
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert _same(a, b), f"output {i} differs"
+
+
+def test_hybrid_blockwise_with_fp32_scales_is_refused_not_run_slowly():
+    from nemo_fp8rl.fp8.linear import layer_backend
+    from nemo_fp8rl.fp8.torch_linear import hybrid_blockwise_refusal
+
+    rec = get_recipe("blockwise", fp8_format="hybrid", pow2_scales=False)
+    assert "pow2_scales" in hybrid_blockwise_refusal(rec)
+    assert hybrid_blockwise_refusal(get_recipe("blockwise", fp8_format="hybrid")) is None
+    # on a CPU torch cannot run blockwise at all: the layer is emulated (counted), not refused
+    assert layer_backend(rec, "torch", "cpu", 256, 256)[0] == "emulate"
