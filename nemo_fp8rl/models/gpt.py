@@ -9,7 +9,7 @@ adds what our runs always need:
   differ in length and size);
 - CPU: ``use_cpu_initialization``, no fused kernels (no apex / TE on CPU), gloo-friendly settings;
 - GPU: float32 master parameters with BF16 autocast by default (``params_dtype: bfloat16`` gives BF16
-  parameters instead), and with the TE spec the recipe's FP8 fields
+  parameters instead, norm weights included), and with the TE spec the recipe's FP8 fields
   (:meth:`~nemo_fp8rl.fp8.Fp8Recipe.to_megatron_kwargs`).
 
 Megatron's initialisation runs (it also sets the ``tensor_model_parallel`` attributes of sharded
@@ -214,7 +214,7 @@ def build_gpt_model(
 
     from nemo_fp8rl.fp8.megatron import apply_fp8_to_megatron_model
     from nemo_fp8rl.models.parallel import resolve_device
-    from nemo_fp8rl.models.spec import CpuRotaryEmbedding, local_fp8_layer_spec, te_layer_spec
+    from nemo_fp8rl.models.spec import CpuRotaryEmbedding, local_fp8_block_spec, te_layer_spec
 
     device = resolve_device(device)
     backend = resolve_model_fp8_backend(fp8_backend, use_te, device)
@@ -225,7 +225,8 @@ def build_gpt_model(
         fp8_recipe.to_megatron_kwargs()  # raises for recipes TE does not have (rowwise)
         check_block_scale_env(fp8_recipe)  # megatron's blockwise recipe takes TE's import-time scale type
     config = make_transformer_config(model_cfg, parallel_cfg, fp8_recipe=fp8_recipe, use_te=use_te, device=device)
-    spec = te_layer_spec(model_cfg.qk_layernorm) if use_te else local_fp8_layer_spec(model_cfg.qk_layernorm)
+    # The local block builds its norms in params_dtype too, so with BF16 parameters every parameter is BF16.
+    spec = te_layer_spec(model_cfg.qk_layernorm) if use_te else local_fp8_block_spec(config, model_cfg.qk_layernorm)
 
     tp = parallel_cfg.tensor_model_parallel_size
     vocab = model_cfg.padded_vocab(tp)

@@ -4,7 +4,7 @@ A megatron ``ModuleSpec`` names the class of each sub-module of a ``TransformerL
 
 ``local_fp8_layer_spec`` (CPU default; also valid on GPU without Transformer Engine)
     megatron's local modules (``SelfAttention``, ``MLP``, torch ``RMSNorm``/``LayerNorm`` through
-    ``WrappedTorchNorm``) with two replacements:
+    ``WrappedTorchNorm``, built in ``params_dtype`` by :class:`TorchNorm`) with two replacements:
 
     * core attention = :class:`SdpaCoreAttention`, built on
       ``torch.nn.functional.scaled_dot_product_attention`` (megatron's ``DotProductAttention``
@@ -13,6 +13,10 @@ A megatron ``ModuleSpec`` names the class of each sub-module of a ``TransformerL
       :class:`~nemo_fp8rl.fp8.megatron.Fp8ColumnParallelLinear` /
       :class:`~nemo_fp8rl.fp8.megatron.Fp8RowParallelLinear` (megatron's linears plus the emulated
       FP8 switch; with FP8 off they run megatron's own code).
+
+    :func:`local_fp8_block_spec` is the whole decoder block of this stage: those layers and a
+    :class:`TorchNorm` as the final norm (megatron would pick TE's, apex's or its float32 torch norm by
+    what is importable).
 
 ``te_layer_spec`` (GPU)
     megatron's Transformer Engine spec: fused ``TELayerNormColumnParallelLinear`` for QKV and FC1,
@@ -40,6 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import divide
 
@@ -126,9 +131,23 @@ class CpuRotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]
 
 
+class TorchNorm:
+    """megatron's ``WrappedTorchNorm`` (torch ``LayerNorm`` or ``RMSNorm`` by ``config.normalization``)
+    with its weight (and bias) in ``config.params_dtype``.
+
+    megatron builds the torch norm without a dtype, i.e. float32 whatever ``params_dtype`` says (its own
+    trainers cast the whole model afterwards with ``Float16Module``). With BF16 parameters a float32
+    norm weight makes ``torch.rms_norm`` skip its fused kernel for a ~20-kernel composite, and leaves
+    the distributed optimizer a float32 buffer beside the BF16 one.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+        return WrappedTorchNorm(config, hidden_size, eps, **kwargs).to(dtype=config.params_dtype)
+
+
 def local_fp8_layer_spec(qk_layernorm: bool) -> ModuleSpec:
     """TransformerLayer spec with megatron local modules, SDPA attention and FP8-emulating linears."""
-    norm = WrappedTorchNorm  # picks torch LayerNorm or RMSNorm from config.normalization
+    norm = TorchNorm  # torch LayerNorm or RMSNorm (config.normalization), in config.params_dtype
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -155,6 +174,13 @@ def local_fp8_layer_spec(qk_layernorm: bool) -> ModuleSpec:
     )
 
 
+def local_fp8_block_spec(config: TransformerConfig, qk_layernorm: bool) -> TransformerBlockSubmodules:
+    """This pipeline stage's decoder block: :func:`local_fp8_layer_spec` layers and a :class:`TorchNorm`
+    final norm (megatron's parallel state must be initialised: it gives the stage's layer count)."""
+    layer = local_fp8_layer_spec(qk_layernorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
+
+
 def te_layer_spec(qk_layernorm: bool) -> ModuleSpec:
     """megatron's Transformer Engine TransformerLayer spec (needs transformer_engine)."""
     try:
@@ -168,4 +194,5 @@ def te_layer_spec(qk_layernorm: bool) -> ModuleSpec:
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
 
 
-__all__ = ["SdpaCoreAttention", "CpuRotaryEmbedding", "local_fp8_layer_spec", "te_layer_spec"]
+__all__ = ["SdpaCoreAttention", "CpuRotaryEmbedding", "TorchNorm", "local_fp8_layer_spec", "local_fp8_block_spec",
+           "te_layer_spec"]
