@@ -254,7 +254,10 @@ def test_summary_tables_of_a_gpu_run(tmp_path):
                                     "dgrad": g, "wgrad": g}}}
     thr = {"tokens": [4096], "warmup": 3, "repeats": 10, "what": "ms",
            "ms": {"qkv@4096": {"bf16": 2.0, "tensorwise": 1.0, "blockwise": 1.6}},
-           "not_timed": {"mxfp8": "mxfp8: needs sm100"}, "targets": {"tensorwise": {"target": 1.5, "layer@4096": 1.8}}}
+           "not_timed": {"mxfp8": "mxfp8: needs sm100"},
+           "targets": {"tensorwise layer@16384 >= 1.45x BF16": 1.8, "blockwise layer@16384 >= 1.25x BF16": None},
+           "profile": {"shape": "gate_up@8192", "calls": 3, "recipes": {
+               "tensorwise": {"total_ms": 4.2, "launches_per_call": 9, "kernels": [["nvjet_gemm", 3.3, 3], ["_tensor_cast_kernel", 0.5, 2]]}}}}
     arm = {"build_s": 12.0, "decode_tokens_per_s": 4000.0, "prefill_tokens_per_s": 90000.0,
            "quant_methods": ["UnquantizedLinearMethod"]}
     fp8 = dict(arm, decode_tokens_per_s=5000.0, prefill_tokens_per_s=150000.0, quant_methods=["Fp8LinearMethod"],
@@ -275,7 +278,8 @@ def test_summary_tables_of_a_gpu_run(tmp_path):
     assert "| blockwise | torch._scaled_mm | 2/2 | 0.3 | 0.25 |" in md
     assert "| mxfp8 | emulated: no Hopper kernel (mxfp8: needs sm100) |" in md
     assert "| qkv@4096 | 2.00 | 1.00 | 2.00 | 1.60 | 1.25 |" in md
-    assert "- tensorwise >= 1.5x BF16: layer@4096 1.80x" in md
+    assert "- tensorwise layer@16384 >= 1.45x BF16: 1.80" in md and "- blockwise layer@16384 >= 1.25x BF16: -" in md
+    assert "| tensorwise | 4.200 | 9 | nvjet_gemm 3.300 x3; _tensor_cast_kernel 0.500 x2 |" in md
     assert "| fp8_block | 5000 | 1.25 | 150000 | 1.67 | Fp8LinearMethod (CutlassFP8ScaledMMLinearKernel) |" in md
     assert "| vllm_w8a8 | ValueError: no FP8 here |" in md
     assert "arm(s) ['fp8_w8a8'] failed" in summary.headline("vllm_rollout", rollout)

@@ -1,6 +1,9 @@
 """Part (e), a tiny GRPO run on the GPU through the real CLI (``python -m nemo_fp8rl.train``): the FP8
 arm ``fp8=tensorwise fp8.backend=torch calibration=paper`` and the BF16 arm ``fp8=off calibration=off``.
 
+Both arms decode ``rollout.max_new_tokens`` per response (``rollout.stop_on_eos=false``: equal work) and
+write no final checkpoint (``trainer.save_final=false``).
+
 Model: Qwen3-8B layer widths (``model=qwen3_8b``: hidden 4096, GQA 32/8 x 128, FFN 12288, QK norm) with
 ``LAYERS`` decoder layers and the task tokenizer's vocabulary (``model.vocab_size=null``), no supervised
 warm-up. Calibration runs every 2nd step (steps 0, 2, 4: ten times the default interval's share, so the
@@ -35,9 +38,22 @@ ARMS = {
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _no_final_checkpoint() -> list[str]:
+    """``trainer.save_final=false`` where this checkout has the key (a final checkpoint of the 8B-wide model
+    with its optimizer is ~5 GB and ~25 s of hashing: it timed the FP8 arm out on 2026-12-04)."""
+    from dataclasses import fields
+
+    from nemo_fp8rl.config.schema import TrainerConfig
+
+    return ["trainer.save_final=false"] if any(f.name == "save_final" for f in fields(TrainerConfig)) else []
+
+
 def _overrides(dry: bool) -> list[str]:
+    # rollout.stop_on_eos=false: both arms decode max_new_tokens per response (on 2026-12-04 the FP8 policy
+    # never stopped and BF16 stopped after 2-3 tokens, so the arms compared unequal decode work)
     common = ["warmup.steps=0", "logger.tensorboard=false", "logger.progress=lines", "trainer.checkpoint_interval=0",
-              "task.format_reward=0.5", "algorithm.old_logprobs=recompute"]
+              "task.format_reward=0.5", "algorithm.old_logprobs=recompute", "rollout.stop_on_eos=false",
+              *_no_final_checkpoint()]
     if dry:
         return common + ["trainer.max_steps=3", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
                          "algorithm.minibatches_per_step=1", "parallel.micro_batch_size=16", "rollout.max_new_tokens=6"]

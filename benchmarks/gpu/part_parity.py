@@ -74,6 +74,44 @@ def _quantizers_equal(rec, x, w, dy, device) -> dict:
     return out
 
 
+def _kernels_equal(rec, x, w, dy, device) -> dict:
+    """Layout name -> True when the device's Triton cast-transpose kernels (what ``fp8.backend=torch`` runs
+    for this recipe on this device) write the same bytes as ``kernels/reference.py`` on the CPU: every
+    FP8 layout, scale layout and padding of x, W and dy; the bf16 layouts of ``fp8_format=hybrid``."""
+    import torch
+
+    from nemo_fp8rl.fp8 import compute_scale, fused, kernels
+    from nemo_fp8rl.fp8.kernels import reference as ref
+
+    ops = kernels.ops()
+    out = {}
+    kw = dict(pow2=rec.pow2_scales, eps=rec.amax_epsilon)
+    with fused.compile_mode_set("false"):  # the reference is eager
+        for role, t in (("input", x), ("weight", w), ("grad_output", dy)):
+            fmt = rec.format_for(role).name
+            d = t.to(device)
+            if rec.scaling == "blockwise":
+                if role == "weight":
+                    hyb = rec.format_for("grad_output").name == "e5m2"
+                    out["w_tiles"] = ref.same_bytes(ops.cast_weight_tiles(d, fmt, transpose_bf16=hyb, **kw),
+                                                    ref.weight_tile_layouts(t, fmt, transpose_bf16=hyb, **kw))
+                else:
+                    bf16 = role == "grad_output" and fmt == "e5m2"
+                    got = ops.cast_transpose_blockwise(d, fmt, row_bf16=bf16, col_bf16=bf16 or (
+                        role == "input" and rec.format_for("grad_output").name == "e5m2"), **kw)
+                    want = ref.blockwise_layouts(t, fmt, row_bf16=bf16, col_bf16=bf16 or (
+                        role == "input" and rec.format_for("grad_output").name == "e5m2"), **kw)
+                    out[f"{role}_row"] = ref.same_bytes(got[0], want[0])
+                    out[f"{role}_col"] = ref.same_bytes(got[1], want[1])
+            else:
+                scale = compute_scale(t.float().abs().amax() * 0.5, fmt) if rec.scaling == "delayed" else None
+                got = ops.cast_transpose_tensorwise(d, fmt, scale=None if scale is None else scale.to(device), **kw)
+                out[f"{role}_both"] = ref.same_bytes(got, ref.tensorwise_layouts(t, fmt, scale=scale, **kw))
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return out
+
+
 def _layer(rec, w, backend: str, device):
     import torch
 
@@ -110,6 +148,7 @@ def _hats(rec, state, x, w, dy):
 def _compare(rec, label: str, x, w, dy, device) -> dict:
     import torch
 
+    from nemo_fp8rl.fp8 import fused
     from nemo_fp8rl.fp8.backends import gemm_error_bound, gemm_fallbacks
     from nemo_fp8rl.fp8.torch_linear import forward_fast_accum
 
@@ -124,16 +163,21 @@ def _compare(rec, label: str, x, w, dy, device) -> dict:
     row["gemm"] = "torch._scaled_mm" if lt.fp8_backend == "torch" else f"emulated: {reason}"
     if rec.scaling == "delayed":  # one step first: the checked step's scales come from an amax history
         _step(lt, x, dy)
-        _step(le, x, dy)
+        with fused.compile_mode_set("false"):
+            _step(le, x, dy)
     state = copy.deepcopy(le.fp8_state)
     before = gemm_fallbacks()
-    outs = {"torch": _step(lt, x, dy), "emulate": _step(le, x, dy)}
+    outs = {"torch": _step(lt, x, dy)}
+    with fused.compile_mode_set("false"):  # the emulation is the reference here: eager, no compile to wait for
+        outs["emulate"] = _step(le, x, dy)
     # GEMMs the torch backend ran in float32 because torch's kernel refuses their operands
     fell_back = {k: v - before.get(k, 0) for k, v in gemm_fallbacks().items() if v != before.get(k, 0)}
     if fell_back and lt.fp8_backend == "torch":
         row["gemm"] += f" ({sum(fell_back.values())} GEMMs in float32: {next(iter(fell_back))[:80]})"
     fast = forward_fast_accum(rec)  # the torch backend's forward GEMM accumulates fast only then
-    for i, (gemm, (a, b)) in enumerate(_hats(rec, state, x, w, dy).items()):
+    with fused.compile_mode_set("false"):
+        hats = _hats(rec, state, x, w, dy)
+    for i, (gemm, (a, b)) in enumerate(hats.items()):
         exact = a.double() @ b.double().t()
         bound = gemm_error_bound(a, b, x.dtype, fast_accum=fast and gemm == "forward")
         entry = {}
@@ -158,10 +202,16 @@ def run(ctx) -> dict:
     if ctx.dry:
         res["note"] = "dry run: the 'GPU' quantizer is the CPU's (code path only)"
     cap = tuple(torch.cuda.get_device_capability()) if ctx.device == "cuda" else None
+    from nemo_fp8rl.fp8.torch_linear import kernel_path_refusal
+
     for label, _, _ in RECIPES:
         rec = recipe(label)
         try:
-            row = {"quantized_equal": _quantizers_equal(rec, x, w, dy, ctx.device)}
+            # the quantizer fp8.backend=torch runs here: the Triton kernels where they run (no Inductor
+            # compile needed), else the compiled quantizer
+            kernel = kernel_path_refusal(rec, ctx.device) is None
+            row = {"quantizer": "triton cast-transpose kernels" if kernel else "compiled quantizer",
+                   "quantized_equal": (_kernels_equal if kernel else _quantizers_equal)(rec, x, w, dy, ctx.device)}
             row.update(_compare(rec, label, x, w, dy, ctx.device))
         except Exception as e:  # noqa: BLE001  (one recipe failing must not hide the others)
             import traceback
@@ -217,6 +267,8 @@ def tables(res: dict) -> list[str]:
         eq = r["quantized_equal"]
         cells = [f"{r[g][f'{b}_err_over_bound']:.3g}" for g in ("forward", "dgrad", "wgrad") for b in ("torch", "emulate")]
         diffs = "/".join(f"{r[g]['max_abs_torch_minus_emulate']:.2g}" for g in ("forward", "dgrad", "wgrad"))
-        lines.append(f"| {label} | {r['gemm'].replace('|', '/')} | {sum(eq.values())}/{len(eq)} | "
+        quantizer = f"; {r['quantizer']}" if r.get("quantizer") else ""
+        lines.append(f"| {label} | {r['gemm'].replace('|', '/')}{quantizer} | "
+                     f"{sum(eq.values())}/{len(eq)} | "
                      + " | ".join(cells) + f" | {diffs} |")
     return lines

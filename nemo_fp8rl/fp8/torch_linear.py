@@ -254,7 +254,9 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
         out_dtype = _gemm_out_dtype(x.dtype)
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # record = autograd records this forward (inside forward, grad mode is always off): a no_grad
+        # forward (log-probs, rollout) writes no backward layouts
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0] and record, ctx.needs_input_grad[1] and record
         stats = state.stats if state is not None else None
         block = recipe.scaling == "blockwise"
         hybrid = block and recipe.format_for("grad_output").name == "e5m2"

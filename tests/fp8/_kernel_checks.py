@@ -295,3 +295,30 @@ def test_hybrid_blockwise_with_fp32_scales_is_refused_not_run_slowly():
     assert hybrid_blockwise_refusal(get_recipe("blockwise", fp8_format="hybrid")) is None
     # on a CPU torch cannot run blockwise at all: the layer is emulated (counted), not refused
     assert layer_backend(rec, "torch", "cpu", 256, 256)[0] == "emulate"
+
+
+# ------------------------------------------------------------------------------------------------------
+# kernels/reference.py: the readable builds of the kernels' outputs the GPU check compares against
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_reference_module_builds_what_the_kernels_write(ops, fmt):
+    """reference.py (used by the GPU parity part) returns the kernels' outputs byte for byte, layouts
+    and padding included, for all three launchers and the bf16 (hybrid) outputs."""
+    from nemo_fp8rl.fp8.kernels import reference as ref
+
+    x = _edge(261, 256, torch.bfloat16)
+    assert ref.same_bytes(ops.cast_transpose_tensorwise(x, fmt), ref.tensorwise_layouts(x, fmt))
+    scale = torch.tensor(3.0)
+    assert ref.same_bytes(ops.cast_transpose_tensorwise(x, fmt, scale=scale),
+                          ref.tensorwise_layouts(x, fmt, scale=scale))
+    assert ref.same_bytes(ops.cast_transpose_blockwise(x, fmt), ref.blockwise_layouts(x, fmt))
+    x[130] = 1.0
+    assert ref.same_bytes(ops.cast_transpose_blockwise(x, fmt, row_bf16=True, col_bf16=True),
+                          ref.blockwise_layouts(x, fmt, row_bf16=True, col_bf16=True))
+    w = _edge(256, 384, torch.bfloat16)
+    w[130] = 1.0
+    for t_bf16 in (False, True):
+        assert ref.same_bytes(ops.cast_weight_tiles(w, "e4m3", transpose_bf16=t_bf16),
+                              ref.weight_tile_layouts(w, "e4m3", transpose_bf16=t_bf16))

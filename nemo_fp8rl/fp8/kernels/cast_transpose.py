@@ -222,7 +222,7 @@ def _tensor_cast_kernel(
     if (pid_r == 0) & (pid_c == 0):
         tl.store(sinv_ptr, tl.math.div_rn(tl.zeros_like(s) + 1.0, s))
         if STATS:
-            tl.atomic_add(numel_ptr, (R * C).to(tl.int64))
+            tl.atomic_add(numel_ptr, (tl.zeros((), tl.int64) + R) * C)
             if CURRENT:
                 tl.atomic_add(bad_ptr, ((amax != amax) | (amax == float("inf"))).to(tl.int64))
 
@@ -358,7 +358,7 @@ def _block_cast_kernel(
             tl.store(sqt_ptr + pid_c * RT + pid_r, sinv)
         if STATS:
             if (pid_r == 0) & (pid_c == 0):
-                tl.atomic_add(numel_ptr, (R * C).to(tl.int64))
+                tl.atomic_add(numel_ptr, (tl.zeros((), tl.int64) + R) * C)
             tl.atomic_add(bad_ptr, ((amax != amax) | (amax == float("inf"))).to(tl.int64))
     if ROW:
         amax_r = tl.max(ab, axis=1).to(tl.float32, bitcast=True)  # [B]
@@ -374,7 +374,7 @@ def _block_cast_kernel(
             tl.store(sq_ptr + pid_c * RQ + rows, sinv_r, mask=rows < RQ)
         if STATS:
             if (pid_r == 0) & (pid_c == 0):
-                tl.atomic_add(numel_ptr, (R * C).to(tl.int64))
+                tl.atomic_add(numel_ptr, (tl.zeros((), tl.int64) + R) * C)
             n_bad = tl.sum(((amax_r != amax_r) | (amax_r == float("inf"))).to(tl.int64) * (rows < R).to(tl.int64), axis=0)
             tl.atomic_add(bad_ptr, n_bad)
     if COL:
@@ -391,7 +391,7 @@ def _block_cast_kernel(
             tl.store(sqt_ptr + pid_r * C + cols, sinv_c, mask=cols < C)
         if STATS:
             if (pid_r == 0) & (pid_c == 0):
-                tl.atomic_add(numel_ptr, (C * RT).to(tl.int64))
+                tl.atomic_add(numel_ptr, (tl.zeros((), tl.int64) + C) * RT)
             n_bad = tl.sum(((amax_c != amax_c) | (amax_c == float("inf"))).to(tl.int64) * (cols < C).to(tl.int64), axis=0)
             tl.atomic_add(bad_ptr, n_bad)
 
