@@ -328,7 +328,12 @@ class TrainerConfig:
     max_steps: int = 100
     """RL steps."""
     checkpoint_interval: int = 50
-    """Save every N steps (and at the end); 0 = only at the end."""
+    """Save every N steps (and at the end, see ``save_final``); 0 = only at the end."""
+    save_final: bool = True
+    """Save a checkpoint when training ends at ``max_steps`` (if the last step has none yet). false: the
+    run ends without one, e.g. a benchmark with ``checkpoint_interval=0`` that writes no checkpoint at all
+    (an 8B model's checkpoint with its optimizer is ~5 GB). The saves on a stop (non-finite updates,
+    instability, a signal) happen either way."""
     keep_last: int = 3
     """Checkpoints kept."""
     async_save: bool = False

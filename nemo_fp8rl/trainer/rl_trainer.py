@@ -691,7 +691,8 @@ class RLTrainer:
         self._stop_signal = signum
 
     def fit(self) -> Dict[str, float]:
-        """Run to ``trainer.max_steps``; checkpoint every ``checkpoint_interval`` steps and at the end."""
+        """Run to ``trainer.max_steps``; checkpoint every ``checkpoint_interval`` steps and at the end (unless
+        ``trainer.save_final=false``)."""
         t = self.cfg.trainer
         last: Dict[str, float] = {}
         try:
@@ -726,7 +727,7 @@ class RLTrainer:
                 if t.checkpoint_interval and self.step_idx % t.checkpoint_interval == 0 and self.step_idx < t.max_steps:
                     self.save_checkpoint()
             self.ckpt.wait()  # a pending asynchronous save is published before the end is judged
-            if self.ckpt.latest_step() != self.step_idx:
+            if t.save_final and self.ckpt.latest_step() != self.step_idx:
                 self.save_checkpoint(wait=True)
             if self.cfg.model.hf_path:  # the trained policy back in Hugging Face format
                 from nemo_fp8rl.models.hf_save import save_hf_checkpoint

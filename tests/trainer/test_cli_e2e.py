@@ -108,3 +108,12 @@ def test_stability_action_warn_only_logs_the_same_garbled_start(demo_runs):
     assert [r["stability/unstable_steps"] for r in recs[:2]] == [1.0, 2.0]
     assert "unstable (garbled output)" in demo_runs.stderr("bf16")
     assert len(recs) == DEMO_STEPS
+
+
+def test_save_final_false_with_no_interval_writes_no_checkpoint(tmp_path):
+    """``trainer.checkpoint_interval=0 trainer.save_final=false``: the run ends without a checkpoint (the
+    GPU benchmark's GRPO arms: an 8B model's final checkpoint with its optimizer is ~5 GB)."""
+    out = tmp_path / "nockpt"
+    run_cli(out, "warmup.steps=0", "trainer.max_steps=2", "trainer.checkpoint_interval=0", "trainer.save_final=false")
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+    assert not list((out / "checkpoints").glob("step_*")) and not (out / "checkpoints" / "latest").exists()
