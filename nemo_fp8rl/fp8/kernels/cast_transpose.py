@@ -229,13 +229,15 @@ def _tensor_cast_kernel(
 
 def _compile_options() -> dict:
     """Launch options: libdevice without flush-to-zero (``enable_reflect_ftz=False``, what Inductor's
-    ``eager_numerics.disable_ftz`` sets), so ``div_rn`` of a subnormal amax is eager's; only where this
-    Triton has the option (the interpreter takes none)."""
+    ``eager_numerics.disable_ftz`` sets), so ``div_rn`` of a subnormal amax is eager's, and no FMA
+    contraction; only the options this Triton has (the interpreter takes none)."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except Exception:  # noqa: BLE001 - no CUDA backend (CPU interpreter)
         return {}
-    return {"enable_reflect_ftz": False} if "enable_reflect_ftz" in getattr(CUDAOptions, "__dataclass_fields__", {}) else {}
+    known = getattr(CUDAOptions, "__dataclass_fields__", {})
+    # no FMA contraction either: every product here is exact or followed by no add, but keep it that way
+    return {k: False for k in ("enable_reflect_ftz", "enable_fp_fusion") if k in known}
 
 
 _OPTS = {} if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else _compile_options()
