@@ -124,6 +124,7 @@ def run(ctx) -> dict:
                                         if lab in common_labels}
     res["x_bf16"] = {key: {lab: row["bf16"] / v for lab, v in row.items() if lab != "bf16"}
                      for key, row in res["ms"].items() if "bf16" in row}
+    res["auto"] = _auto_rows(res, labels, ctx.dry)
     res["targets"] = _targets(res, ctx.dry)
     if ctx.left() > 15:
         try:
@@ -178,6 +179,38 @@ def _torchao_linear(recipe_name: str, shape_name: str, n: int, k: int, device: s
     return cache[key]
 
 
+def _auto_rows(res: dict, labels: list, dry: bool) -> dict:
+    """``fp8.backend=auto`` per recipe: each projection@tokens runs what ``fp8/layer_filter.py`` picks for it
+    (FP8 or BF16, both timed above), so its x BF16 is BF16 ms / the picked path's ms; layer rows sum them.
+    ``{recipe: {"x_bf16": {key: ratio}, "fp8_rows": [keys run in FP8], "min": lowest ratio}}``."""
+    from nemo_fp8rl.fp8.layer_filter import keep_bf16_reason
+
+    out = {}
+    sh = shapes(dry)
+    for lab in labels:
+        rec = recipe(lab)
+        per, fp8_rows = {}, []
+        for tokens in token_counts(dry):
+            total_auto = total_bf16 = 0.0
+            complete = True
+            for name, (n, k) in sh.items():
+                row = res["ms"].get(f"{name}@{tokens}", {})
+                use_fp8 = keep_bf16_reason(rec, tokens, n, k, "cuda") is None
+                ms = row.get(lab) if use_fp8 else row.get("bf16")
+                if ms is None or "bf16" not in row:
+                    complete = False
+                    continue
+                per[f"{name}@{tokens}"] = row["bf16"] / ms
+                if use_fp8:
+                    fp8_rows.append(f"{name}@{tokens}")
+                total_auto += ms
+                total_bf16 += row["bf16"]
+            if complete and total_auto:
+                per[f"layer@{tokens}"] = total_bf16 / total_auto
+        out[lab] = {"x_bf16": per, "fp8_rows": fp8_rows, "min": min(per.values()) if per else None}
+    return out
+
+
 def _targets(res: dict, dry: bool) -> dict:
     """Issue 38's throughput targets against what was measured (layer rows); hybrid vs blockwise and the
     peers vs ours are ratios of the same run."""
@@ -187,6 +220,9 @@ def _targets(res: dict, dry: bool) -> dict:
         for tokens, target in per_tokens.items():
             t = tokens if not dry else max(token_counts(dry))
             out[f"{lab} layer@{t} >= {target}x BF16"] = xb.get(f"layer@{t}", {}).get(lab)
+    mins = [a["min"] for a in res.get("auto", {}).values() if a.get("min") is not None]
+    if mins:
+        out["fp8.backend=auto: lowest row of any recipe >= 1.0 (minus timing noise)"] = min(mins)
     for tokens in (PEER_TOKENS if not dry else token_counts(dry)):
         row = xb.get(f"layer@{tokens}", {})
         if "blockwise" in row and "blockwise_hybrid" in row:
@@ -297,6 +333,16 @@ def tables(res: dict) -> list[str]:
             if isinstance(v, dict):  # an older results.json
                 continue
             lines.append(f"- {what}: {'-' if v is None else f'{v:.2f}'}")
+    auto = res.get("auto") or {}
+    if auto:
+        keys = [f"layer@{t}" for t in res.get("tokens", [])]
+        lines += ["", "fp8.backend=auto (nemo_fp8rl/fp8/layer_filter.py picks FP8 or BF16 per projection and token "
+                      "count; the picked path's time from the table above), x BF16:", "",
+                  "| recipe | " + " | ".join(keys) + " | lowest row | rows in FP8 |", "|---|" + "---|" * (len(keys) + 2)]
+        for lab, a in auto.items():
+            cells = [f"{a['x_bf16'][k]:.2f}" if k in a["x_bf16"] else "-" for k in keys]
+            low = "-" if a.get("min") is None else f"{a['min']:.2f}"
+            lines.append(f"| {lab} | " + " | ".join(cells) + f" | {low} | {len(a['fp8_rows'])} |")
     prof = res.get("profile") or {}
     if prof.get("recipes"):
         lines += ["", f"Kernel profile of one {prof.get('shape')} forward+backward (torch.profiler, mean of "

@@ -52,8 +52,10 @@ class Fp8Config:
     """FP8 GEMM backend: emulate (FP8 values, float32 GEMMs; CPU and GPU) | torch (torch's FP8 GEMMs,
     torch._scaled_mm: tensorwise/delayed/rowwise/blockwise on sm89+/sm90, tensorwise/delayed on CPU; layers
     torch cannot run fall back to emulate, counted in the conversion log) | te (Transformer Engine layers,
-    GPU). null = te if Transformer Engine imports on a GPU, else torch on an FP8-capable GPU, else emulate.
-    Checkpoints resume under any backend."""
+    GPU). null = auto = te if Transformer Engine imports on a GPU, else torch on an FP8-capable GPU, else
+    emulate; on a GPU's torch backend auto also keeps each linear in BF16 that measured slower in FP8 at this
+    run's micro-batch size (nemo_fp8rl/fp8/layer_filter.py; logged once with the reasons); torch converts every
+    linear it can. Checkpoints resume under any backend."""
     use_te: Optional[bool] = None
     """Deprecated spelling of fp8.backend: true = te, false = emulate (an error if it contradicts fp8.backend)."""
     compile: str = "auto"
@@ -451,13 +453,13 @@ def _resolve_fp8_backend_key(f: Fp8Config) -> None:
     """Check ``fp8.backend`` and fold the deprecated ``fp8.use_te`` into it (one name per concept)."""
     check_choice("fp8.compile", str(f.compile).lower(), ["auto", "true", "false"])
     if f.backend is not None:
-        check_choice("fp8.backend", f.backend, ["emulate", "torch", "te"])
+        check_choice("fp8.backend", f.backend, ["auto", "emulate", "torch", "te"])
     if f.use_te is not None:
         implied = "te" if f.use_te else "emulate"
-        if f.backend is not None and f.backend != implied and not (f.backend == "torch" and not f.use_te):
+        if f.backend not in (None, "auto") and f.backend != implied and not (f.backend == "torch" and not f.use_te):
             raise ConfigError(f"fp8.use_te={f.use_te} contradicts fp8.backend={f.backend}; fp8.use_te is the "
                               "deprecated spelling of fp8.backend: remove it and keep fp8.backend")
-        if f.backend is None:
+        if f.backend in (None, "auto"):
             f.backend = implied
         f.use_te = None
 

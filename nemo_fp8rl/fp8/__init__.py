@@ -36,6 +36,7 @@ This package imports only torch and the standard library (``te.py`` and ``megatr
 frameworks lazily / on use), so it can be used from any training stack.
 """
 
+from nemo_fp8rl.fp8 import layer_filter  # noqa: F401 (fp8.backend=auto rule)
 from nemo_fp8rl.fp8.formats import E4M3, E5M2, Fp8Format, cast_to_fp8, get_format, round_to_fp8
 from nemo_fp8rl.fp8.linear import (
     DelayedScalingMeta,

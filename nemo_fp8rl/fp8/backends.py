@@ -102,8 +102,10 @@ def resolve_fp8_backend(requested: Optional[str], device, te_available: Optional
     FP8-capable GPU, else ``emulate``. An explicit ``te`` off a GPU (or without TE) raises; an explicit
     ``torch`` is always accepted (layers torch cannot run on this device fall back, counted).
     """
+    if requested == "auto":  # = null; the per-layer rule of fp8.backend=auto is the model builder's (layer_filter.py)
+        requested = None
     if requested is not None and requested not in FP8_BACKENDS:
-        raise ValueError(f"fp8.backend={requested!r}; valid: {list(FP8_BACKENDS)} or null (auto)")
+        raise ValueError(f"fp8.backend={requested!r}; valid: {list(FP8_BACKENDS)}, auto or null")
     on_gpu = _is_cuda(device)
     if te_available is None:
         te_available = False

@@ -294,6 +294,7 @@ def convert_to_fp8(
     recipe: Fp8Recipe,
     module_filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = default_module_filter,
     backend: str = "emulate",
+    auto_tokens: Optional[int] = None,
 ) -> torch.nn.Module:
     """Swap every ``torch.nn.Linear`` in ``module`` (in place) for an :class:`Fp8Linear`.
 
@@ -302,7 +303,13 @@ def convert_to_fp8(
     weight's device falls back to ``emulate`` (:func:`layer_backend`), counted. Parameters are shared,
     not copied, so optimizers built before conversion keep working. Logs ``converted N/M linear layers``
     with the backend split; the counts are also returned on ``module.fp8_conversion``.
+    ``auto_tokens`` (``fp8.backend=auto``'s rule, the rows of one call): a linear that would run torch's FP8
+    GEMMs on a GPU but measured slower than BF16 at that size is left a ``torch.nn.Linear``
+    (:func:`~nemo_fp8rl.fp8.layer_filter.keep_bf16_reason`), counted in ``auto_kept``.
     """
+    from nemo_fp8rl.fp8.layer_filter import keep_bf16_reason
+
+    auto_kept: Dict[str, int] = {}
     total = 0
     counter = ConversionCounter(recipe, backend)
 
@@ -317,6 +324,11 @@ def convert_to_fp8(
                 total += 1
                 if module_filter_fn is None or module_filter_fn(child, fqn):
                     b, reason = layer_backend(recipe, backend, child.weight.device, child.out_features, child.in_features)
+                    slow = keep_bf16_reason(recipe, auto_tokens, child.out_features, child.in_features,
+                                            child.weight.device) if (auto_tokens and b == "torch") else None
+                    if slow:
+                        auto_kept[slow] = auto_kept.get(slow, 0) + 1
+                        continue
                     setattr(parent, name, Fp8Linear.from_linear(child, recipe, backend=b))
                     counter.add(b, reason)
             else:
@@ -329,8 +341,11 @@ def convert_to_fp8(
     module.fp8_conversion = {
         "converted": counter.converted, "total": total, "skipped": total - counter.converted, "backend": backend,
         "torch_gemm": counter.torch_gemm, "emulated_fallback": counter.emulated_fallback,
-        "fallback_reasons": dict(counter.fallback_reasons),
+        "fallback_reasons": dict(counter.fallback_reasons), "auto_kept": auto_kept,
     }
+    if auto_kept:
+        logger.warning("fp8.backend=auto: %d linear(s) kept in high precision, where FP8 measured slower than BF16: %s",
+                       sum(auto_kept.values()), "; ".join(f"{n}x {r}" for r, n in sorted(auto_kept.items())))
     return module
 
 

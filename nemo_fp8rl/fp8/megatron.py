@@ -46,6 +46,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from nemo_fp8rl.fp8.layer_filter import keep_bf16_reason
 from nemo_fp8rl.fp8.linear import ConversionCounter, Fp8LinearState, disable_fp8, fp8_linear, layer_backend
 from nemo_fp8rl.fp8.recipes import Fp8Recipe
 
@@ -169,10 +170,13 @@ class Fp8ConversionReport:
     """Converted linears that asked for torch but run the emulation (recipe or shape torch cannot run)."""
     fallback_reasons: Optional[dict] = None
     """``{reason: count}`` of those fallbacks."""
+    auto_kept: Optional[dict] = None
+    """``{reason: count}`` of the linears ``fp8.backend=auto`` kept high precision (counted in
+    ``kept_high_precision``)."""
 
 
 def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Recipe],
-                                backend: str = "emulate") -> Fp8ConversionReport:
+                                backend: str = "emulate", auto_tokens: Optional[int] = None) -> Fp8ConversionReport:
     """Enable the FP8 recipe on every FP8-capable linear of a megatron GPT model (in place).
 
     Walks ``model.decoder.layers`` (this stage's layers; ``layer.layer_number`` is the 1-based global
@@ -180,10 +184,15 @@ def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Reci
     disables FP8 everywhere. ``backend``: ``emulate`` or ``torch`` (torch's FP8 GEMMs; a linear whose
     local shard shape or recipe torch cannot run on its device falls back to the emulation, counted).
     Logs ``FP8 (<recipe>): converted N/M linear layers ... backend=...``.
+
+    ``auto_tokens`` (``fp8.backend=auto``: the rows of one micro-batch): a linear that would run torch's FP8
+    GEMMs on a GPU but measured slower than BF16 at that size stays high precision
+    (:func:`~nemo_fp8rl.fp8.layer_filter.keep_bf16_reason`), counted in ``auto_kept`` with the reasons.
     """
     num_layers = model.config.num_layers
     keep = bf16_layer_numbers(recipe, num_layers) if recipe is not None else set()
     kept = 0
+    auto_kept: dict = {}
     counter = ConversionCounter(recipe, backend) if recipe is not None else None
     for layer in model.decoder.layers:
         for m in layer.modules():
@@ -194,6 +203,13 @@ def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Reci
                 else:
                     out_f, in_f = m.weight.shape
                     b, reason = layer_backend(recipe, backend, m.weight.device, out_f, in_f)
+                    slow = keep_bf16_reason(recipe, auto_tokens, out_f, in_f, m.weight.device) if (
+                        auto_tokens and b == "torch") else None
+                    if slow:
+                        m.set_fp8(None)
+                        kept += 1
+                        auto_kept[slow] = auto_kept.get(slow, 0) + 1
+                        continue
                     m.set_fp8(recipe, backend=b)
                     counter.add(b, reason)
     converted = counter.converted if counter is not None else 0
@@ -202,11 +218,15 @@ def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Reci
         (log.warning if counter.emulated_fallback else log.info)("FP8 (%s): converted %d/%d linear layers on this stage (%d kept high precision; "
                  "embedding and LM head always high precision); %s", recipe.name, converted, total, kept,
                  counter.summary())
+        if auto_kept:
+            log.warning("fp8.backend=auto: %d linear(s) kept in high precision, where FP8 measured slower than BF16: %s",
+                        sum(auto_kept.values()), "; ".join(f"{n}x {r}" for r, n in sorted(auto_kept.items())))
     return Fp8ConversionReport(
         converted=converted, kept_high_precision=kept, total=total, backend=backend,
         torch_gemm=counter.torch_gemm if counter else 0,
         emulated_fallback=counter.emulated_fallback if counter else 0,
         fallback_reasons=dict(counter.fallback_reasons) if counter else {},
+        auto_kept=auto_kept,
     )
 
 

@@ -649,6 +649,7 @@ def build_actor(
     device: "str | torch.device | None" = None,
     distributed_optimizer: Optional[bool] = None,
     fp8_backend: Optional[str] = None,
+    fp8_auto_tokens: Optional[int] = None,
 ) -> FP8Actor:
     """Initialise distributed state, build this rank's GPT stage, initialise weights, build the optimizer.
 
@@ -659,7 +660,9 @@ def build_actor(
         fp8_recipe: an :class:`~nemo_fp8rl.fp8.Fp8Recipe` or None (high precision).
         use_te: None = Transformer Engine spec when CUDA + TE are available, else our linears.
         fp8_backend: ``fp8.backend``: None (auto: te, else torch on an FP8 GPU, else emulate) | emulate |
-            torch | te (:func:`~nemo_fp8rl.models.gpt.resolve_model_fp8_backend`).
+            torch | te (:func:`~nemo_fp8rl.models.gpt.resolve_model_fp8_backend`); ``auto`` = None.
+        fp8_auto_tokens: with ``fp8_backend`` None/auto, the rows of one micro-batch: on a GPU's torch backend a
+            linear that measured slower in FP8 than BF16 at that size stays high precision (``fp8/layer_filter.py``).
         keep_reference: keep the initial weights on CPU for :meth:`FP8Actor.get_reference_logprobs`.
         device: None = CUDA when available, else CPU; ``"cpu"`` runs the CPU path on a GPU machine.
         distributed_optimizer: megatron's DDP + distributed optimizer (Adam state sharded over DP; BF16
@@ -690,6 +693,7 @@ def build_actor(
             "model.params_dtype=float32 (BF16 compute on GPU comes from autocast, FP8 from the recipe)"
         )
     init_distributed(parallel_cfg, model_cfg, device=device)
+    auto = fp8_backend in (None, "auto") and use_te is None  # fp8.backend=auto: keep slow layers BF16
     fp8_backend = resolve_model_fp8_backend(fp8_backend, use_te, device)
     use_te = fp8_backend == "te"
     if device.type == "cuda":
@@ -706,7 +710,7 @@ def build_actor(
         if distributed_optimizer and device.type == "cuda":
             build_cfg = dataclasses.replace(model_cfg, params_dtype="bfloat16")
         model, report = build_gpt_model(build_cfg, parallel_cfg, fp8_recipe=fp8_recipe, fp8_backend=fp8_backend,
-                                        device=device)
+                                        device=device, fp8_auto_tokens=fp8_auto_tokens if auto else None)
     device = next(model.parameters()).device
     init = init_hf_state_dict(model_cfg, seed, stage_hf_names(model, model_cfg), device=device)
     load_stage_hf(model, model_cfg, init, ps.get_tensor_model_parallel_rank(),

@@ -80,6 +80,8 @@ def resolve_model_fp8_backend(fp8_backend: Optional[str], use_te: Optional[bool]
         if fp8_backend not in (None, "te"):
             raise ValueError(f"use_te=True contradicts fp8.backend={fp8_backend!r}; set only fp8.backend")
         return "te"
+    if fp8_backend == "auto":  # auto = null, plus the per-layer rule the caller applies (layer_filter.py)
+        fp8_backend = None
     if use_te is False and fp8_backend is None:
         return "emulate"  # the older switch: use_te=False meant the emulated spec (as fp8.use_te=false does)
     if device is None:
@@ -199,10 +201,12 @@ def build_gpt_model(
     use_te: Optional[bool] = None,
     device: "torch.device | str | None" = None,
     fp8_backend: Optional[str] = None,
+    fp8_auto_tokens: Optional[int] = None,
 ):
     """Build this rank's stage of the GPT (init_distributed must have run) on ``device`` (None = CUDA
     when available). ``fp8_backend``/``use_te``: see :func:`resolve_model_fp8_backend` (``te`` builds the
-    Transformer Engine spec, ``emulate``/``torch`` our linears with that GEMM backend).
+    Transformer Engine spec, ``emulate``/``torch`` our linears with that GEMM backend). ``fp8_auto_tokens``:
+    ``fp8.backend=auto``'s per-layer rule (``fp8/layer_filter.py``) for micro-batches of that many rows.
 
     Returns:
         ``(model, report)``: a megatron ``GPTModel`` on the current device (float parameters, not yet
@@ -270,7 +274,7 @@ def build_gpt_model(
         if fp8_recipe is not None:
             log.info("FP8 (%s): Transformer Engine layers (backend=te)", fp8_recipe.name)
     else:
-        report = apply_fp8_to_megatron_model(model, fp8_recipe, backend=backend)
+        report = apply_fp8_to_megatron_model(model, fp8_recipe, backend=backend, auto_tokens=fp8_auto_tokens)
     return model, report
 
 

@@ -192,7 +192,7 @@ def test_convert_counts_and_logs(caplog):
         convert_to_fp8(m, get_recipe("tensorwise"))
     assert "converted 2/3 linear layers" in caplog.text
     assert m.fp8_conversion == {"converted": 2, "total": 3, "skipped": 1, "backend": "emulate", "torch_gemm": 0,
-                                "emulated_fallback": 0, "fallback_reasons": {}}
+                                "emulated_fallback": 0, "fallback_reasons": {}, "auto_kept": {}}
     assert isinstance(m[0], Fp8Linear) and not isinstance(m[3], Fp8Linear)
     m2 = _toy()
     convert_to_fp8(m2, get_recipe("tensorwise"), module_filter_fn=lambda mod, fqn: fqn == "0")
