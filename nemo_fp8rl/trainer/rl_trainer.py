@@ -125,6 +125,9 @@ class RLTrainer:
             weight_decay=cfg.optim.weight_decay, adam_betas=(cfg.optim.beta1, cfg.optim.beta2),
             grad_clip=cfg.optim.grad_clip, keep_reference=False, fp8_backend=cfg.fp8.backend,
             distributed_optimizer=cfg.optim.distributed,
+            # fp8.backend=auto (null): the rule of fp8/layer_filter.py judges each layer at a micro-batch's rows
+            # (at most micro_batch_size x seq_length)
+            fp8_auto_tokens=cfg.parallel.micro_batch_size * cfg.model.seq_length,
         )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if a.prompts_per_step % self.actor.dp_size:
