@@ -124,6 +124,7 @@ def run(ctx) -> dict:
                                         if lab in common_labels}
     res["x_bf16"] = {key: {lab: row["bf16"] / v for lab, v in row.items() if lab != "bf16"}
                      for key, row in res["ms"].items() if "bf16" in row}
+    res["kernel_configs"] = _kernel_configs(ctx.device)
     res["auto"] = _auto_rows(res, labels, ctx.dry)
     res["targets"] = _targets(res, ctx.dry)
     if ctx.left() > 15:
@@ -177,6 +178,16 @@ def _torchao_linear(recipe_name: str, shape_name: str, n: int, k: int, device: s
         cache["error"] = f"torchao: {type(e).__name__}: {e}"[:200]
         cache[key] = None
     return cache[key]
+
+
+def _kernel_configs(device: str) -> dict:
+    """The launch configurations the Triton kernels picked in this process (``cast_transpose._config``)."""
+    from nemo_fp8rl.fp8 import kernels
+
+    if kernels.kernel_unavailable(device):
+        return {}
+    return {f"{kind}@{dev}": list(c) if isinstance(c, tuple) else c
+            for (kind, dev), c in kernels.ops().tuned_configs().items()}
 
 
 def _auto_rows(res: dict, labels: list, dry: bool) -> dict:
@@ -333,6 +344,8 @@ def tables(res: dict) -> list[str]:
             if isinstance(v, dict):  # an older results.json
                 continue
             lines.append(f"- {what}: {'-' if v is None else f'{v:.2f}'}")
+    if res.get("kernel_configs"):
+        lines.append(f"\nTriton kernel launch configs picked in this run: {res['kernel_configs']}")
     auto = res.get("auto") or {}
     if auto:
         keys = [f"layer@{t}" for t in res.get("tokens", [])]

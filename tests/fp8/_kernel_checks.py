@@ -322,3 +322,16 @@ def test_reference_module_builds_what_the_kernels_write(ops, fmt):
     for t_bf16 in (False, True):
         assert ref.same_bytes(ops.cast_weight_tiles(w, "e4m3", transpose_bf16=t_bf16),
                               ref.weight_tile_layouts(w, "e4m3", transpose_bf16=t_bf16))
+
+
+def test_every_launch_configuration_writes_the_same_bits(ops):
+    """The GPU picks the fastest tiling per process (cast_transpose._config): each candidate must write
+    the same bytes, current and delayed scale, partial tiles included."""
+    from nemo_fp8rl.fp8.kernels import reference as ref
+
+    x = _edge(261, 200, torch.bfloat16)
+    want_cur = ref.tensorwise_layouts(x, "e4m3")
+    want_del = ref.tensorwise_layouts(x, "e5m2", scale=torch.tensor(7.0))
+    for cfg in ops.TENSOR_CONFIGS:
+        assert ref.same_bytes(ops.cast_transpose_tensorwise(x, "e4m3", _tiles=cfg), want_cur), cfg
+        assert ref.same_bytes(ops.cast_transpose_tensorwise(x, "e5m2", scale=torch.tensor(7.0), _tiles=cfg), want_del), cfg

@@ -45,12 +45,15 @@ GEMMs take them without a copy. This module imports triton at import time: impor
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 _FP32_MAX = 3.4028234663852886e38
 _DTYPE_MAX = {torch.float32: _FP32_MAX, torch.bfloat16: 3.3895313892515355e38, torch.float16: 65504.0}
@@ -240,7 +243,8 @@ def _compile_options() -> dict:
     return {k: False for k in ("enable_reflect_ftz", "enable_fp_fusion") if k in known}
 
 
-_OPTS = {} if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else _compile_options()
+_NO_OPTS: dict = {}
+_OPTS = _NO_OPTS if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else _compile_options()
 
 
 def _in(x: torch.Tensor) -> torch.Tensor:
@@ -257,14 +261,78 @@ def _fmt(fmt: str) -> Tuple[float, bool]:
     return _FMT[fmt]
 
 
-def _tensor_tiles(R: int, C: int) -> Tuple[int, int]:
-    return 64, 64
+# ------------------------------------------------------------------------------------------------------
+# launch configurations: measured once per process and GPU
+# ------------------------------------------------------------------------------------------------------
+
+TENSOR_CONFIGS = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 256, 4))
+"""(BLOCK_R, BLOCK_C, num_warps) candidates of the per-tensor kernels (amax and cast + transpose)."""
+BLOCK_WARPS = (4, 8, 16)
+"""num_warps candidates of the 128x128 block kernel."""
+TUNE_SHAPE = (8192, 4096)
+"""The bf16 tensor the candidates are timed on (an 8B model's activation at 8192 tokens, 64 MiB)."""
+_DEFAULT = {"amax": (64, 64, 4), "tensor": (64, 64, 4), "block": 8}
+_CHOSEN: dict = {}
+
+
+def tuned_configs() -> dict:
+    """``{(kind, device index): config}`` chosen in this process (empty before the first GPU launch)."""
+    return dict(_CHOSEN)
+
+
+def _time_ms(fn, reps: int = 5) -> float:
+    fn()
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _config(kind: str, dev: torch.device):
+    """The launch configuration of ``kind`` (amax | tensor | block) on ``dev``.
+
+    Every configuration writes the same bits (the tiling changes which program handles an element, never
+    its value: ``_kernel_checks.py`` runs several), so the fastest one is picked by timing each candidate
+    once per process on a :data:`TUNE_SHAPE` tensor of this GPU (a few milliseconds plus one compile per
+    candidate, cached on disk by Triton). Not on the CPU interpreter, and not with NEMO_FP8RL_KERNEL_TUNE=0
+    (then the defaults)."""
+    if dev.type != "cuda" or os.environ.get("NEMO_FP8RL_KERNEL_TUNE", "1") == "0" or _OPTS is _NO_OPTS:
+        return _DEFAULT[kind]
+    key = (kind, dev.index if dev.index is not None else torch.cuda.current_device())
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _DEFAULT[kind]  # while timing (and if timing fails)
+        try:
+            x = torch.randn(*TUNE_SHAPE, device=dev, dtype=torch.bfloat16)
+            if kind == "block":
+                times = {w: _time_ms(lambda w=w: cast_transpose_blockwise(x, "e4m3", _warps=w)) for w in BLOCK_WARPS}
+            else:
+                amax = torch.zeros(1, dtype=torch.int32, device=dev)
+
+                def run(c):
+                    if kind == "amax":
+                        _amax_kernel[(triton.cdiv(x.shape[0], c[0]), triton.cdiv(x.shape[1], c[1]))](
+                            _in(x), x.shape[0], x.shape[1], x.stride(0), x.stride(1), amax, IN_BF16=True,
+                            BLOCK_R=c[0], BLOCK_C=c[1], num_warps=c[2], **_OPTS)
+                    else:
+                        cast_transpose_tensorwise(x, "e4m3", scale=torch.ones((), device=dev), _tiles=c)
+
+                times = {c: _time_ms(lambda c=c: run(c)) for c in TENSOR_CONFIGS}
+            _CHOSEN[key] = min(times, key=times.get)
+            logger.info("FP8 kernels: %s launch config %s on %s (timed: %s)", kind, _CHOSEN[key],
+                        torch.cuda.get_device_name(dev), {str(k): round(v, 4) for k, v in times.items()})
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to compile: keep the default
+            logger.warning("FP8 kernels: timing the %s launch configs failed (%s); using %s", kind, e, _DEFAULT[kind])
+    return _CHOSEN[key]
 
 
 def cast_transpose_tensorwise(
     x: torch.Tensor, fmt: str, *, scale: Optional[torch.Tensor] = None, pow2: bool = False, eps: float = 0.0,
     margin: int = 0, write_row: bool = True, write_col: bool = True, col_pad: int = 16,
-    stats=None,
+    stats=None, _tiles=None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Per-tensor FP8 of x [R, C] in both layouts: ``(q [R, C], qt [C, RT], scale_inv [], amax [])``.
 
@@ -274,6 +342,7 @@ def cast_transpose_tensorwise(
     ([] float32); ``amax`` (float32 []) is x's amax either way (delayed scaling records it).
     ``stats`` (:class:`~nemo_fp8rl.fp8.quantize.Fp8Stats`): counted as the eager quantizer counts.
     Layouts not asked for are None. Two launches for a current scale, one for a given one.
+    ``_tiles``: (BLOCK_R, BLOCK_C, num_warps) of the cast kernel, default the tuned one (:func:`_config`).
     """
     R, C = x.shape
     fmax, e4m3 = _fmt(fmt)
@@ -283,12 +352,13 @@ def cast_transpose_tensorwise(
     qt = torch.empty(C, RT, dtype=torch.uint8, device=dev) if write_col else None
     sinv = torch.empty((), dtype=torch.float32, device=dev)
     amax_bits = torch.zeros(1, dtype=torch.int32, device=dev)
-    br, bc = _tensor_tiles(R, C)
+    br, bc, nw = _tiles if _tiles is not None else _config("tensor", dev)
     current = scale is None
     if current:
-        _amax_kernel[(triton.cdiv(R, br), triton.cdiv(C, bc))](_in(x), R, C, x.stride(0), x.stride(1), amax_bits,
-                                                              IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=br,
-                                                              BLOCK_C=bc, **_OPTS)
+        ar, ac, aw = _config("amax", dev)
+        _amax_kernel[(triton.cdiv(R, ar), triton.cdiv(C, ac))](_in(x), R, C, x.stride(0), x.stride(1), amax_bits,
+                                                              IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=ar,
+                                                              BLOCK_C=ac, num_warps=aw, **_OPTS)
     if stats is not None:
         stats.to_device(dev)
     dummy = amax_bits
@@ -301,7 +371,7 @@ def cast_transpose_tensorwise(
             (stats.saturated, stats.numel, stats.nonfinite_amax) if stats is not None else (dummy, dummy, dummy)),
         TOP=fmax * 2.0 ** (-margin), EPS=float(eps), INF_CAP=_FP32_MAX, POW2=bool(pow2), FMAX=fmax, E4M3=e4m3,
         CURRENT=current, WRITE_ROW=write_row, WRITE_COL=write_col, RECORD_AMAX=not current,
-        STATS=stats is not None, IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=br, BLOCK_C=bc, **_OPTS,
+        STATS=stats is not None, IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=br, BLOCK_C=bc, num_warps=nw, **_OPTS,
     )
     amax = amax_bits.view(torch.float32).reshape(())
     if stats is not None and not current:
@@ -412,7 +482,7 @@ def _stats_args(stats, dev, dummy):
 
 def cast_transpose_blockwise(
     x: torch.Tensor, fmt: str, *, pow2: bool = True, eps: float = 0.0, row: bool = True, col: bool = True,
-    row_bf16: bool = False, col_bf16: bool = False, row_pad: int = 4, block: int = 128, stats=None,
+    row_bf16: bool = False, col_bf16: bool = False, row_pad: int = 4, block: int = 128, stats=None, _warps=None,
 ):
     """1x``block`` FP8 groups of x [R, C] along C (``row``) and along R (``col``), one launch.
 
@@ -448,7 +518,7 @@ def cast_transpose_blockwise(
         _out(qt) if qt is not None else dummy, RT, sqt if sqt is not None else fdummy,
         numel, bad, **_block_common(x, fmt, pow2, eps), ROW=row, COL=col, TILE=False,
         ROW_BF16=row_bf16, COL_BF16=col_bf16, STATS=stats is not None, IN_BF16=x.dtype == torch.bfloat16, B=B,
-        num_warps=8, **_OPTS,
+        num_warps=_warps if _warps is not None else _config("block", dev), **_OPTS,
     )
     dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     row_out = col_out = None
@@ -489,8 +559,8 @@ def cast_weight_tiles(
     _block_cast_kernel[(nb, kb)](
         _in(w), N, K, w.stride(0), w.stride(1), q, L, sq, _out(qt), LT, sqt, numel, bad,
         **_block_common(w, fmt, pow2, eps), ROW=False, COL=False, TILE=True, ROW_BF16=False,
-        COL_BF16=transpose_bf16, STATS=stats is not None, IN_BF16=w.dtype == torch.bfloat16, B=B, num_warps=8,
-        **_OPTS,
+        COL_BF16=transpose_bf16, STATS=stats is not None, IN_BF16=w.dtype == torch.bfloat16, B=B,
+        num_warps=_config("block", dev), **_OPTS,
     )
     dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     fwd = (q.view(dt), sq.t())
