@@ -386,11 +386,22 @@ def cublas_version() -> Optional[int]:
     return _CUBLAS_VERSION[0]
 
 
+_FACTS: dict = {}
+
+
 def _device_facts(device) -> Tuple[bool, Optional[Tuple[int, int]], Optional[int]]:
-    """``(is_cuda, compute capability, cuBLAS version)`` of ``device`` (capability and version None on CPU)."""
-    if not _is_cuda(device) or not torch.cuda.is_available():
-        return False, None, None
-    return True, _capability(device), cublas_version()
+    """``(is_cuda, compute capability, cuBLAS version)`` of ``device`` (capability and version None on CPU);
+    asked once per device (every FP8 GEMM needs them: host time matters for small GEMMs)."""
+    dev = torch.device(device)
+    key = (dev.type, dev.index)
+    facts = _FACTS.get(key)
+    if facts is None:
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            facts = (False, None, None)
+        else:
+            facts = (True, _capability(dev), cublas_version())
+        _FACTS[key] = facts
+    return facts
 
 
 CUBLAS_SCALED_MIN = 120900  # cuBLAS 12.9: row-wise (outer-vector) and 1x128/128x128 block scaling modes

@@ -19,6 +19,7 @@ forward output tolerates the truncated sum; the gradients feed the optimizer).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -172,7 +173,19 @@ KERNEL_SCALINGS = ("tensorwise", "delayed", "blockwise")
 
 
 def kernel_path_refusal(recipe: Fp8Recipe, device) -> Optional[str]:
-    """Why :class:`_Fp8KernelLinearFn` does not run this recipe on ``device`` (None: it does)."""
+    """Why :class:`_Fp8KernelLinearFn` does not run this recipe on ``device`` (None: it does); decided once
+    per (recipe, device, ``NEMO_FP8RL_KERNELS``), as every FP8 linear call asks."""
+    dev = torch.device(device)
+    key = (recipe, dev.type, dev.index, os.environ.get("NEMO_FP8RL_KERNELS", "1"), kernels.interpreting())
+    if key not in _REFUSALS:
+        _REFUSALS[key] = _kernel_path_refusal(recipe, dev)
+    return _REFUSALS[key]
+
+
+_REFUSALS: dict = {}
+
+
+def _kernel_path_refusal(recipe: Fp8Recipe, device) -> Optional[str]:
     why = kernels.kernel_unavailable(device)
     if why:
         return why
