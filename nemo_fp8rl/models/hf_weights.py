@@ -227,6 +227,11 @@ class _Tp:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return parts
 
+    def gather_cat(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The TP parts of ``t`` concatenated along ``dim``; ``t`` itself (no copy) without TP."""
+        parts = self.gather(t)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
 
 def _qkv_to_hf(full: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Megatron full QKV [ng (np/ng + 2) hn, *rest] -> q [np hn, *rest], k, v [ng hn, *rest]."""
@@ -264,9 +269,16 @@ def _hf_keys_for(role: str, prefix: str, cfg: ModelConfig) -> list[str]:
     }[role.split(".")[0]]
 
 
-def iter_stage_hf(model, cfg: ModelConfig, tp_group) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors of this pipeline stage one at a time, ``(name, float32 CPU tensor)``, TP-gathered
-    (every TP rank gets each), in stage order: embedding, layers in order, final norm, head.
+def iter_stage_hf(
+    model, cfg: ModelConfig, tp_group, *, device: "str | torch.device" = "cpu", dtype: torch.dtype = torch.float32,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of this pipeline stage one at a time, ``(name, tensor)``, TP-gathered (every TP rank
+    gets each), in stage order: embedding, layers in order, final norm, head.
+
+    Each tensor is a copy the caller owns, on ``device`` in ``dtype``: float32 on the CPU by default
+    (file writers, the vLLM sync). A rollout engine colocated with the model asks for its own device and
+    dtype (e.g. the GPU and BF16): the copy is then one device-to-device copy in that dtype, with no host
+    round trip and no float32 copy. The TP gather runs in the parameters' own dtype either way.
 
     Collective over ``tp_group``: every TP rank of the stage must iterate it to the end. Extra memory:
     the tensor being gathered (its TP parts and the full tensor), nothing of earlier tensors unless the
@@ -274,12 +286,13 @@ def iter_stage_hf(model, cfg: ModelConfig, tp_group) -> Iterator[tuple[str, torc
     """
     tp = _Tp(tp_group)
     glu = cfg.gated_mlp
+    device = torch.device(device)
 
     def put(name, t):
-        return name, t.detach().to(device="cpu", dtype=torch.float32, copy=True)
+        return name, t.detach().to(device=device, dtype=dtype, copy=True)
 
     if getattr(model, "pre_process", False):
-        emb = torch.cat(tp.gather(model.embedding.word_embeddings.weight.detach()), 0)
+        emb = tp.gather_cat(model.embedding.word_embeddings.weight.detach(), 0)
         yield put("model.embed_tokens.weight", emb[: cfg.vocab_size])
         del emb
     for layer in model.decoder.layers:
@@ -294,17 +307,17 @@ def iter_stage_hf(model, cfg: ModelConfig, tp_group) -> Iterator[tuple[str, torc
             if layout == "rep":
                 yield put(keys[0], t)
             elif layout == "row":
-                yield put(keys[0], torch.cat(tp.gather(t), 1))
+                yield put(keys[0], tp.gather_cat(t, 1))
             elif layout == "qkv":
-                for key, part in zip(keys, _qkv_to_hf(torch.cat(tp.gather(t), 0), cfg)):
+                for key, part in zip(keys, _qkv_to_hf(tp.gather_cat(t, 0), cfg)):
                     yield put(key, part)
             elif layout == "col" and glu:
                 parts = [p.chunk(2, 0) for p in tp.gather(t)]
-                yield put(keys[0], torch.cat([g for g, _ in parts], 0))
-                yield put(keys[1], torch.cat([u for _, u in parts], 0))
+                yield put(keys[0], parts[0][0] if len(parts) == 1 else torch.cat([g for g, _ in parts], 0))
+                yield put(keys[1], parts[0][1] if len(parts) == 1 else torch.cat([u for _, u in parts], 0))
                 del parts
             else:  # col, not gated
-                yield put(keys[0], torch.cat(tp.gather(t), 0))
+                yield put(keys[0], tp.gather_cat(t, 0))
     if getattr(model, "post_process", False):
         fn = model.decoder.final_layernorm
         yield put("model.norm.weight", fn.weight)
@@ -313,7 +326,7 @@ def iter_stage_hf(model, cfg: ModelConfig, tp_group) -> Iterator[tuple[str, torc
         head = model.output_layer.weight
         if head is None:  # tied on a single stage: the head is the embedding
             head = model.embedding.word_embeddings.weight
-        yield put("lm_head.weight", torch.cat(tp.gather(head.detach()), 0)[: cfg.vocab_size])
+        yield put("lm_head.weight", tp.gather_cat(head.detach(), 0)[: cfg.vocab_size])
 
 
 def export_stage_hf(model, cfg: ModelConfig, tp_group) -> dict[str, torch.Tensor]:

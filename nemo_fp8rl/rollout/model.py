@@ -408,34 +408,44 @@ class RolloutWeights:
     reported when it exposes them, and the relative quantization error ||W_q - W|| / ||W||."""
 
 
-def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, dict[str, float]],
+def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, dict[str, Any]],
                      dtype: torch.dtype, gemm: str = "emulate") -> torch.Tensor | Fp8Weight:
     """Quantize one (fused) linear weight [N, K] with the scheme and record what it did in ``stats``.
 
+    ``w`` arrives in the dtype it was synced in (float32 from the CPU export; the engine dtype, e.g. BF16,
+    from a colocated device-to-device sync) and is not copied to float32 here: the rollout schemes upcast
+    inside their quantizer (the same bits from a BF16 weight as from its exact float32 copy), and the
+    scheme ``off`` (BF16 arm, high-precision edge layers) keeps the weight as it came.
+
     Returns the read-back weight in ``dtype`` (emulated GEMM) or, with ``gemm="torch"`` where the scheme
     and shape run on torch's FP8 GEMM on this device, an :class:`Fp8Weight` (``stats[name]["gemm"]``
-    says which; the fallback reason is in ``stats[name]["fallback"]``).
+    says which; the fallback reason is in ``stats[name]["fallback"]``). The numbers in ``stats`` stay
+    0-d tensors (no host sync per linear); :func:`build_weights` converts them all at once.
     """
-    w32 = w.float()
+    rec: dict[str, Any] = {"amax": w.detach().abs().amax()}
+    off = not getattr(scheme, "enabled", True)  # the scheme off: W_q = W exactly, no quantizer call
     packed = None
     reason = None
     if gemm == "torch":
         support = getattr(scheme, "torch_gemm_support", None)
-        reason = support(w32.device, *w32.shape) if callable(support) else "custom scheme without FP8 GEMM"
-        if reason is None:
-            packed = scheme.weight_fp8(w32)
-    wq = packed.dequantize() if packed is not None else scheme.quantize_weight(w32)
-    if tuple(wq.shape) != tuple(w32.shape):
-        raise ValueError(f"rollout FP8 scheme {scheme!r}.quantize_weight changed the shape of {name}: "
-                         f"{tuple(w32.shape)} -> {tuple(wq.shape)}")
-    rec: dict[str, Any] = {
-        "amax": float(w32.abs().max()),
-        "rel_err": float((wq.float() - w32).norm() / w32.norm().clamp_min(1e-30)),
-    }
+        reason = support(w.device, *w.shape) if callable(support) else "custom scheme without FP8 GEMM"
+        if reason is None and not off:
+            packed = scheme.weight_fp8(w)
+    if off:
+        wq = w
+        rec["rel_err"] = torch.zeros((), device=w.device)
+    else:
+        wq = packed.dequantize() if packed is not None else scheme.quantize_weight(w)
+        if tuple(wq.shape) != tuple(w.shape):
+            raise ValueError(f"rollout FP8 scheme {scheme!r}.quantize_weight changed the shape of {name}: "
+                             f"{tuple(w.shape)} -> {tuple(wq.shape)}")
+        w32 = w.float()
+        rec["rel_err"] = (wq.float() - w32).norm() / w32.norm().clamp_min(1e-30)
+        del w32
     scale_fn = getattr(scheme, "weight_scales", None)  # optional hook: the scale(s) the scheme uses for w
     if callable(scale_fn):
-        s = torch.as_tensor(scale_fn(w32)).float()
-        rec["scale"] = float(s.reshape(-1)[0]) if s.numel() == 1 else float(s.mean())
+        s = torch.as_tensor(scale_fn(w)).float()
+        rec["scale"] = s.reshape(-1)[0] if s.numel() == 1 else s.mean()
         rec["num_scales"] = float(s.numel())
     if gemm == "torch":
         rec["gemm"] = "torch" if packed is not None else "emulate"
@@ -443,6 +453,16 @@ def _quantize_linear(scheme: Any, name: str, w: torch.Tensor, stats: dict[str, d
             rec["fallback"] = reason
     stats[name] = rec
     return Fp8Weight(packed, dtype) if packed is not None else wq.to(dtype)
+
+
+def _stats_to_floats(stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The 0-d tensors of :func:`_quantize_linear`'s records as Python floats, with one host sync."""
+    keys = [(n, k) for n, rec in stats.items() for k, v in rec.items() if isinstance(v, torch.Tensor)]
+    if keys:
+        vals = torch.stack([stats[n][k].detach().float().reshape(()) for n, k in keys]).tolist()
+        for (n, k), v in zip(keys, vals):
+            stats[n][k] = v
+    return stats
 
 
 def _build_layer(
@@ -456,8 +476,8 @@ def _build_layer(
     p = f"model.layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
 
-    def t(key: str) -> torch.Tensor:
-        return sd[key].detach().to(device=device, dtype=torch.float32)
+    def t(key: str) -> torch.Tensor:  # linear weights: in the dtype they were synced in (_quantize_linear)
+        return sd[key].detach().to(device=device)
 
     def hp(key: str) -> torch.Tensor:  # high-precision tensors (norms, biases)
         return sd[key].detach().to(device=device, dtype=dtype)
@@ -491,9 +511,11 @@ def build_weights(
     ``weights``: a full state dict or a stream of ``(name, tensor)`` pairs in any order
     (:func:`checked_weight_stream`). A layer is built as soon as all of its tensors have arrived and its
     incoming tensors are dropped then, so a stream in layer order (``FP8Actor.iter_weights``) costs one
-    layer of incoming float32 tensors on top of the engine's own new weights, whatever the depth.
+    layer of incoming tensors on top of the engine's own new weights, whatever the depth. The tensors
+    may come in any floating dtype and on any device: a colocated sync sends them on ``device`` in
+    ``dtype`` (nothing is then copied to the host or to float32 on the way, :func:`_quantize_linear`).
     ``scheme.quantize_weight`` runs once per fused linear weight per call (= per weight sync), on the
-    float32 weight; the dequantized result is stored in ``dtype`` on ``device`` (``gemm="torch"``: FP8
+    weight as synced; the dequantized result is stored in ``dtype`` on ``device`` (``gemm="torch"``: FP8
     data + scales where torch's scaled GEMM runs the scheme, :func:`_quantize_linear`). The layers in
     ``high_precision_layers`` keep their weights (the scheme ``off``: BF16 edge layers).
     """
@@ -524,7 +546,7 @@ def build_weights(
         final_norm=top["model.norm.weight"],
         layers=layers,  # type: ignore[arg-type]
         inv_freq=rope_inv_freq(shape).to(device),
-        linear_stats={k: v for st in layer_stats for k, v in st.items()},
+        linear_stats=_stats_to_floats({k: v for st in layer_stats for k, v in st.items()}),
     )
 
 

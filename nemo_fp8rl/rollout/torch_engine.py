@@ -57,9 +57,16 @@ from nemo_fp8rl.rollout.model import (
 )
 from nemo_fp8rl.rollout.sampling import sample_next
 
-__all__ = ["TorchRolloutEngine", "resolve_rollout_scheme"]
+__all__ = ["TorchRolloutEngine", "engine_dtype", "resolve_rollout_scheme"]
 
 log = logging.getLogger(__name__)
+
+
+def engine_dtype(device: str | torch.device) -> torch.dtype:
+    """The torch engine's default compute dtype on ``device``: bfloat16 on CUDA (the dtype vLLM serves a
+    BF16 checkpoint in; float32 there doubles the weights' bytes and the decode's memory traffic), float32
+    elsewhere (the CPU engine is the float32 reference the tests pin)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def resolve_rollout_scheme(fp8_scheme: Any, train_recipe: Any = None) -> Any:
@@ -91,7 +98,9 @@ class TorchRolloutEngine:
         eos_ids: every id that ends a response (e.g. Qwen3's ``<|im_end|>`` and ``<|endoftext|>``, from
             ``generation_config.json``); None = ``(eos_id,)``. ``eos_id`` is added if missing.
         device: where the weights, cache and forward live (outputs are returned on CPU).
-        dtype: compute dtype of activations and stored weights (float32 on CPU; bfloat16 on GPU).
+        dtype: compute dtype of activations and stored weights; None (default) = :func:`engine_dtype`
+            (bfloat16 on CUDA, as vLLM serves a BF16 checkpoint; float32 elsewhere, so CPU results keep
+            the float32 reference).
         fp8_gemm: ``emulate`` | ``torch`` (FP8 linears on torch's scaled GEMM where it runs the scheme).
         kv_cache: ``off`` | ``e4m3`` | ``e5m2``: the FP8 KV cache (``rollout.fp8.kv_cache``).
         kv_kernel: ``cuda`` (vLLM on GPU: divide by the scale, round to nearest even, the query quantized
@@ -112,7 +121,7 @@ class TorchRolloutEngine:
         pad_id: int,
         eos_ids: Sequence[int] | None = None,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         fp8_gemm: str = "emulate",
         kv_cache: str = "off",
         kv_kernel: str = "cuda",
@@ -140,13 +149,20 @@ class TorchRolloutEngine:
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_id, *(int(i) for i in (eos_ids or ()))]))
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long)
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = engine_dtype(self.device) if dtype is None else dtype
         self.weights: RolloutWeights | None = None
         self.weights_version = 0
         """Number of weight syncs received so far."""
         self._closed = False
 
     # ---------------------------------------------------------------- weights
+    @property
+    def sync_target(self) -> tuple[torch.device, torch.dtype]:
+        """``(device, dtype)`` a colocated trainer should send the weights in: the engine's own, so a sync
+        is a device-to-device copy in the engine dtype (no host round trip, no float32 copy;
+        :func:`nemo_fp8rl.models.hf_weights.iter_stage_hf`). Weights sent otherwise are converted."""
+        return self.device, self.dtype
+
     def update_weights(self, weights: WeightsArg, kv_scales: KvScales | None = None) -> dict[str, dict[str, float]]:
         """Replace the weights (HF Llama/Qwen names, any order) and re-quantize them for the FP8 scheme.
 

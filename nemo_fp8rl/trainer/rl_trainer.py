@@ -212,7 +212,9 @@ class RLTrainer:
         engine_kw = {}
         if cfg.rollout.engine == "torch":
             # the in-process engine lives where the actor does; on a GPU whose trainer runs real FP8
-            # (fp8.backend torch or te) its FP8 schemes use torch's FP8 GEMMs too
+            # (fp8.backend torch or te) its FP8 schemes use torch's FP8 GEMMs too. Its dtype is the engine's
+            # default: BF16 on CUDA, float32 on CPU (torch_engine.engine_dtype); each sync sends the weights
+            # there (_weight_stream)
             real = self.actor.fp8_backend in ("torch", "te") and self.actor.device.type == "cuda"
             engine_kw = {"device": self.actor.device, "fp8_gemm": "torch" if real else "emulate"}
         engine = get_rollout_engine(
@@ -387,6 +389,24 @@ class RLTrainer:
         }
         return (*merged, stats)
 
+    def _weight_stream(self):
+        """The actor's weights for the step's sync, one HF-named tensor at a time.
+
+        A colocated engine that names a ``sync_target`` (the torch engine: its device and dtype) gets them
+        there, so a GPU sync is a device-to-device copy in BF16 with no host round trip and no float32
+        copy. ``FP8Actor.iter_weights`` sends float32 CPU tensors (what the vLLM sync and file writers
+        take), so the single-stage case streams the stage itself; with pipeline stages the broadcast of
+        ``iter_weights`` is needed and the engine converts what arrives.
+        """
+        target = getattr(self.engine, "sync_target", None)
+        if target is None or self.actor.pp_size != 1:
+            return self.actor.iter_weights()
+        from nemo_fp8rl.models.hf_weights import iter_stage_hf
+
+        device, dtype = target
+        tp_group = self.actor.tp_group if self.actor.tp_size > 1 else None
+        return iter_stage_hf(self.actor.model, self.model_cfg, tp_group, device=device, dtype=dtype)
+
     # ------------------------------------------------------------------ one step
     def step(self) -> Dict[str, float]:
         """One RL step (docs/design.md, "One training step"): rollout, rewards and advantages; old, shadow and reference
@@ -400,7 +420,7 @@ class RLTrainer:
         with _timed(timings, "rollout"):
             with _timed(timings, "weight_sync"):  # part of timing/rollout
                 # streamed layer by layer (TP-gathered, PP-broadcast): never a full copy of the model per rank
-                kv_metrics = self.kv_sync.sync(self.engine, self.actor.iter_weights())  # + FP8 KV-cache scales
+                kv_metrics = self.kv_sync.sync(self.engine, self._weight_stream())  # + FP8 KV-cache scales
             batch, scores, rewards, adv, ds_metrics = self._rollout()
             self.kv_sync.observe(batch)  # the next sync's KV-scale calibration data
             self.engine.sleep()  # a colocated GPU engine frees its memory for training (the next sync wakes it)
