@@ -410,16 +410,23 @@ def _cli():
 
 @needs_vllm
 def test_trainer_runs_with_vllm_and_resumes_exactly(tmp_path):
-    """3 RL steps with rollout.engine=vllm (FP8 off) == 2 steps + resume to 3; vLLM agrees with the trainer."""
+    """2 RL steps with rollout.engine=vllm (FP8 off) == the same run resumed from its step-1 checkpoint (a fresh
+    vLLM engine synced from the restored weights); vLLM agrees with the trainer. Two CLI runs, not three: the
+    run itself stops without a final checkpoint (trainer.save_final=false), so resuming it redoes step 1."""
+    import shutil
+
     cli = _cli()
-    arm = ["fp8=off", "rollout.engine=vllm", "rollout.sync_bucket_mb=0.1", "trainer.checkpoint_interval=2"]
+    arm = ["fp8=off", "rollout.engine=vllm", "rollout.sync_bucket_mb=0.1", "trainer.max_steps=2",
+           "trainer.checkpoint_interval=1", "trainer.save_final=false"]
     full, part = tmp_path / "full", tmp_path / "part"
-    cli.run_cli(full, *arm, "trainer.max_steps=3")
-    cli.run_cli(part, *arm, "trainer.max_steps=2")
-    cli.run_cli(part, *arm, "trainer.max_steps=3", "resume=true")
+    cli.run_cli(full, *arm)
+    assert (full / "checkpoints" / "latest").read_text().strip() == "step_1"
+    shutil.copytree(full, part)
+    cli.run_cli(part, *arm, "resume=true")
     a, b = cli.metrics(full), cli.metrics(part)
-    assert [r["step"] for r in b] == [0, 1, 2]
+    assert [r["step"] for r in b] == [0, 1]  # the resumed run's step 1 replaced the copied one
     assert cli.strip_timing(a) == cli.strip_timing(b)
+    assert b[1]["timing/rollout"] != a[1]["timing/rollout"]  # step 1 was run again, not kept from the copy
     for r in a:
         # FP8 off: vLLM's log-probs of its own samples are the trainer's (float32 both) up to float noise
         assert r["mismatch/logp_abs_diff_max"] < TOL, r["mismatch/logp_abs_diff_max"]
