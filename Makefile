@@ -16,6 +16,9 @@ TEST_WORKERS ?= 2
 # (scripts/slurm_local.sh; best effort: if it cannot start, those tests skip with the reason). SLURM=0 skips it.
 SLURM ?= 1
 
+# What `make lint` (and `make test`, first) checks with ruff (the version and rules: pyproject.toml).
+LINT_PATHS ?= nemo_fp8rl tests benchmarks scripts examples
+
 .PHONY: venv install install-test demo demo-real test lint clean
 
 # `make demo`: the package and what it runs on (no test tools, no vLLM: a laptop try-out stays small).
@@ -64,6 +67,7 @@ test:
 			echo "make test: the local SLURM cluster did not start; the slurm tests will be skipped"; } & slurm=$$!; fi; \
 	$(MAKE) --no-print-directory install-test; \
 	if [ -n "$$slurm" ]; then wait $$slurm; fi
+	$(VENV)/bin/ruff check $(LINT_PATHS)  # style debt stops the run before the (long) tests
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 	@# the CPU-feature-dependent files again on a presented AVX2-only CPU (tests/conftest.py), so a machine with
 	@# AVX-512 catches what fails without it (16 s on a 2-core AVX-512 AMD EPYC, 86 passed, 14 skipped)
@@ -73,7 +77,7 @@ test:
 		tests/rollout/test_vllm_engine.py::test_fp8_rollout_on_cpu_stops_before_any_work_with_the_alternative
 
 lint: install-test
-	$(PIP) install -q ruff && $(VENV)/bin/ruff check nemo_fp8rl tests benchmarks
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
