@@ -111,6 +111,11 @@ class RolloutConfig:
     """Longest response in tokens."""
     stop_on_eos: bool = True
     """Stop a sequence at EOS."""
+    stop_check_interval: Optional[int] = None
+    """torch engine: decode steps between the checks for responses that ended at EOS (each check is one
+    host sync; ended rows leave the batch there, and until then decode on and record nothing). The batch
+    depends on it (an ended row draws sampling noise until its check). null = 1 on CPU (a sync is free
+    there), 8 on a GPU."""
     sync_bucket_mb: float = 512.0
     """vllm: weight sync streams the actor's weights to the engine in buckets of at most this many MiB
     (one tensor larger than a bucket is sent alone); bounds the extra memory of a sync."""
@@ -534,6 +539,9 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
     if cfg.rollout.max_new_tokens < 1:
         raise ConfigError("rollout.max_new_tokens must be >= 1")
+    sci = cfg.rollout.stop_check_interval
+    if sci is not None and (isinstance(sci, bool) or not isinstance(sci, int) or sci < 1):
+        raise ConfigError(f"rollout.stop_check_interval={sci!r} must be an integer >= 1, or null (1 on CPU, 8 on GPU)")
     if not isinstance(cfg.rollout.enable_sleep, bool):
         raise ConfigError(f"rollout.enable_sleep={cfg.rollout.enable_sleep!r} must be true or false")
     _check_rollout_fp8(cfg.rollout.fp8, cfg.model.num_layers)

@@ -682,18 +682,38 @@ def _qkv(shape: ModelShape, lw: LayerWeights, scheme: Any, x: torch.Tensor, cos:
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
+def _sdpa_supports_gqa() -> bool:
+    """Whether this torch's SDPA takes ``enable_gqa`` (torch >= 2.5)."""
+    try:
+        x = torch.zeros(1, 2, 1, 2)
+        F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+_SDPA_GQA = _sdpa_supports_gqa()
+"""SDPA groups the KV heads itself (query head j reads KV head j // (H / G)), without the H / G repeated
+copies of K and V that ``repeat_interleave`` writes at every layer and decode step; the same values bit for
+bit on CPU (tests/rollout/test_decode_host_syncs.py)."""
+
+
 def _attend(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
     """softmax(q k^T / sqrt(hd) + mask) v with grouped KV heads; causal when ``mask`` is None.
 
     Shapes: q [B, H, Tq, hd]; k, v [B, G, S, hd]; mask bool [B, 1, Tq, S] (True = attend) -> [B, Tq, H*hd].
+    SDPA's ``enable_gqa`` where torch has it, else K and V repeated per query head (``repeat_interleave``).
     """
     rep = shape.num_heads // shape.num_groups
-    if rep > 1:
+    kw = {}
+    if rep > 1 and _SDPA_GQA:
+        kw["enable_gqa"] = True
+    elif rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if mask is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
     B, _, Tq, _ = o.shape
     return o.transpose(1, 2).reshape(B, Tq, -1)
 
@@ -763,17 +783,20 @@ def forward_prefill(
 
 
 def forward_decode(
-    shape: ModelShape, w: RolloutWeights, scheme: Any, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    shape: ModelShape, w: RolloutWeights, scheme: Any, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    length: int | None = None,
 ) -> torch.Tensor:
     """One incremental step: token ``tokens[b]`` at position ``positions[b]`` -> next-token logits [B, V].
 
     Writes the new keys/values at ``positions[b]`` of row b, then attends to cache positions
     0..positions[b] of that row (ragged rows: each has its own length). Shapes: tokens, positions [B].
+    ``length``: the cache positions read, ``max(positions) + 1``; a caller that knows it on the host passes
+    it (None reads it from ``positions``: a host sync per step on a GPU).
     """
     B = tokens.shape[0]
     rows = torch.arange(B, device=tokens.device)
     cos, sin = rope_cos_sin(positions.unsqueeze(1), w.inv_freq)  # [B, 1, hd]
-    S = int(positions.max()) + 1
+    S = int(positions.max()) + 1 if length is None else int(length)
     mask = (torch.arange(S, device=tokens.device).unsqueeze(0) <= positions.unsqueeze(1)).view(B, 1, 1, S)
     h = w.embed[tokens].unsqueeze(1)  # [B, 1, d]
     for i, lw in enumerate(w.layers):

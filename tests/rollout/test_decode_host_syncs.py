@@ -1,0 +1,144 @@
+"""Decode without a host sync per token (issue 39: ``tok.cpu()`` and ``int(positions.max())`` every step).
+
+A CPU has no host/device split, so the syncs are counted: every call that would wait for a GPU (``.cpu()``,
+``.item()``, ``.tolist()``, ``bool``/``int``/``float`` of a tensor, ``nonzero``) made while ``generate``
+runs is recorded by a torch-function mode. With a stop check every k steps they grow as N / k, not N.
+The checked batch is the same as the batch checked every step wherever sampling draws no noise (greedy; the
+log-probs to float rounding, as the GEMMs see other batch sizes), and with sampling every recorded log-prob
+is still the engine's own (teacher-forced) one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from nemo_fp8rl.config.model import ModelConfig
+from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
+from nemo_fp8rl.rollout import model as rollout_model
+from nemo_fp8rl.rollout.torch_engine import TorchRolloutEngine, sampling_generator
+from tests.rollout.conftest import CONFIGS, random_hf_weights
+
+_SYNCS = {"cpu", "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+
+
+class _CountSyncs(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _SYNCS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _engine(k: int | None, eos: int = 2, name: str = "qwen2", scheme: str = "off", **kw) -> TorchRolloutEngine:
+    cfg = ModelConfig(name=name, **CONFIGS[name])
+    eng = get_rollout_engine("torch", cfg, fp8_scheme=scheme, eos_id=eos, pad_id=0, stop_check_interval=k, **kw)
+    eng.update_weights(random_hf_weights(cfg, seed=4, logit_scale=4.0))
+    return eng
+
+
+PROMPTS = [[1, 5, 7], [3, 9], [4, 4, 6, 8, 10], [11], [12, 13], [7, 7, 7, 1], [2, 3], [15, 14, 13], [8], [9, 9]]
+
+
+def _syncs(eng, n: int, stop: bool = True) -> int:
+    c = _CountSyncs()
+    with c:
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=n, stop_on_eos=stop, temperature=1.0),
+                     torch.Generator().manual_seed(0))
+    return len(c.calls)
+
+
+def test_decode_syncs_grow_with_steps_over_k_not_with_steps():
+    eng = _engine(k=8, eos=999 % 16)  # an EOS that may come; the checks run either way
+    no_stop_short, no_stop_long = _syncs(eng, 4, stop=False), _syncs(eng, 24, stop=False)
+    assert no_stop_long == no_stop_short  # without EOS stops: a constant (setup and the final copies)
+    short, long = _syncs(eng, 4), _syncs(eng, 24)
+    assert long - short <= 2 * (24 // 8)  # at most a check (any + its row selection) every 8 steps
+    every = _engine(k=1, eos=999 % 16)
+    assert _syncs(every, 24) - _syncs(every, 4) >= 20 - 2  # k=1: one check per step (the CPU default)
+
+
+def test_default_interval_is_1_on_cpu_and_8_on_gpu():
+    cfg = ModelConfig(name="qwen3", **CONFIGS["qwen3"])
+    assert TorchRolloutEngine(cfg, fp8_scheme="off", eos_id=2, pad_id=0).stop_check_interval == 1
+    assert TorchRolloutEngine(cfg, fp8_scheme="off", eos_id=2, pad_id=0, device="cuda").stop_check_interval == 8
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="stop_check_interval"):
+            TorchRolloutEngine(cfg, fp8_scheme="off", eos_id=2, pad_id=0, stop_check_interval=bad)
+
+
+def _eos_that_ends_rows_at_different_steps(eng) -> int:
+    """A token the greedy policy emits first at different steps in different rows (so rows end apart)."""
+    b = eng.generate(PROMPTS, SamplingParams(max_new_tokens=10, stop_on_eos=False, temperature=0.0),
+                     torch.Generator().manual_seed(0))
+    best, spread = None, -1
+    for t in range(1, 16):
+        first = []
+        for r in range(len(PROMPTS)):
+            resp = b.tokens[r, b.prompt_lens[r]: b.prompt_lens[r] + b.response_lens[r]].tolist()
+            first.append(resp.index(t) if t in resp else 99)
+        s = len(set(first))
+        if s > spread:
+            best, spread = t, s
+    assert spread >= 3
+    return best
+
+
+@pytest.mark.parametrize("scheme", ["off", "vllm_w8a8"])
+def test_greedy_batch_does_not_depend_on_the_check_interval(scheme):
+    eos = _eos_that_ends_rows_at_different_steps(_engine(1, scheme=scheme))
+    params = SamplingParams(max_new_tokens=10, stop_on_eos=True, temperature=0.0)
+    ref = _engine(1, eos=eos, scheme=scheme).generate(PROMPTS, params, torch.Generator().manual_seed(0))
+    assert 0 < int(ref.finished.sum()) < len(PROMPTS)
+    for k in (2, 3, 100):
+        got = _engine(k, eos=eos, scheme=scheme).generate(PROMPTS, params, torch.Generator().manual_seed(0))
+        for f in ("tokens", "prompt_lens", "response_lens", "finished", "mask"):
+            assert torch.equal(getattr(got, f), getattr(ref, f)), (k, f)
+        # the log-probs to float rounding: the GEMMs see other batch sizes (ended rows leave later)
+        torch.testing.assert_close(got.rollout_logp, ref.rollout_logp, rtol=0, atol=1e-5)
+
+
+def test_sampled_batch_with_late_checks_records_the_engines_logprobs():
+    """k > 1 with sampling: a row records nothing after its EOS, and every recorded log-prob is the engine's."""
+    eng = _engine(1)
+    eos = _eos_that_ends_rows_at_different_steps(eng)
+    eng = _engine(4, eos=eos)
+    b = eng.generate(PROMPTS * 3, SamplingParams(max_new_tokens=12, stop_on_eos=True, temperature=1.0),
+                     torch.Generator().manual_seed(3))
+    assert 0 < int(b.finished.sum()) < len(PROMPTS) * 3
+    for r in range(len(PROMPTS) * 3):
+        p, n = int(b.prompt_lens[r]), int(b.response_lens[r])
+        resp = b.tokens[r, p: p + n].tolist()
+        assert eos not in resp[:-1] and bool(b.finished[r]) == (resp[-1] == eos)
+        assert (b.tokens[r, p + n:] == 0).all() and (b.rollout_logp[r, p + n:] == 0).all()
+    lp = eng.logprobs(b.tokens)
+    torch.testing.assert_close(b.rollout_logp * b.mask, lp * b.mask, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama31"])
+def test_sdpa_gqa_equals_repeated_kv(name, monkeypatch):
+    shape = rollout_model.ModelShape.from_config(ModelConfig(name=name, **CONFIGS[name]))
+    g = torch.Generator().manual_seed(0)
+    H, G, hd = shape.num_heads, shape.num_groups, shape.head_dim
+    q = torch.randn(3, H, 5, hd, generator=g)
+    k, v = torch.randn(3, G, 7, hd, generator=g), torch.randn(3, G, 7, hd, generator=g)
+    mask = torch.rand(3, 1, 5, 7, generator=g) > 0.3
+    mask[..., 0] = True
+    rep = H // G
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask).transpose(1, 2).reshape(3, 5, -1)
+    assert rollout_model._SDPA_GQA  # this torch has enable_gqa
+    assert torch.equal(rollout_model._attend(shape, q, k, v, mask), ref)
+    monkeypatch.setattr(rollout_model, "_SDPA_GQA", False)  # the fallback of older torch
+    assert torch.equal(rollout_model._attend(shape, q, k, v, mask), ref)
+
+
+def test_sampling_generator_keeps_a_generator_on_the_engines_device():
+    g = torch.Generator().manual_seed(5)
+    state = g.get_state()
+    assert sampling_generator(g, "cpu") is g and torch.equal(g.get_state(), state)  # CPU: nothing drawn
