@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from nemo_fp8rl.fp8 import fused
 from nemo_fp8rl.fp8.backends import QuantizedOperand, torch_gemm_support
 from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8
 from nemo_fp8rl.fp8.quantize import _blocks_1d, _blocks_2d, _unblocks_2d, fake_quantize
@@ -48,6 +49,58 @@ _BLOCK_EPS = 1e-10
 def _divide_quant(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """``sat_e4m3(x / s) * s``, float32 (vLLM's per-token and per-group activation kernels)."""
     return cast_to_fp8(x / s, E4M3).float() * s
+
+
+# The activation quantizers run at every linear of every decode step. Each is one function of the tensor
+# (its eager ops: upcast, amax, scale rule, divide, saturate, cast, read back), run through the training
+# path's fused quantizer driver (:func:`nemo_fp8rl.fp8.fused.run`): under ``fp8.compile`` (always on a GPU)
+# it is traced and compiled into an amax loop and one pointwise loop, with Inductor's exact division, so
+# the bits are the eager ones (tests/rollout/test_rollout_fused_quant.py); eager otherwise. The training
+# quantizer itself (``quantize._quantize_impl``) cannot stand in: it scales by ``x * (M / amax)``, while
+# vLLM divides by ``amax / M``, which rounds differently.
+
+
+def _token_scales(xf: torch.Tensor) -> torch.Tensor:
+    """vLLM's per-token scales: ``max(amax(x_row) / 448, 1 / (448 * 512))``, [..., 1] float32."""
+    return (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=_VLLM_MIN_SCALE)
+
+
+def _token_fake(x: torch.Tensor) -> torch.Tensor:
+    """Per-token ``sat(x / s) * s`` of x [..., K] (float32)."""
+    xf = x.float()
+    return _divide_quant(xf, _token_scales(xf))
+
+
+def _token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(sat(x / s) as E4M3, s)`` of x [M, K]."""
+    xf = x.float()
+    s = _token_scales(xf)
+    return cast_to_fp8(xf / s, E4M3), s
+
+
+def _group_scales(groups: torch.Tensor) -> torch.Tensor:
+    """vLLM's 1xB group scales: ``max(amax, 1e-10) / 448``, [..., n_groups, 1] float32."""
+    return groups.abs().amax(dim=-1, keepdim=True).clamp(min=_BLOCK_EPS) / 448.0
+
+
+def _group_fake(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per 1x``block`` group along K: ``sat(x / s) * s`` of x [..., K] (float32)."""
+    xf = x.float()
+    groups, k = _blocks_1d(xf, block)
+    return _divide_quant(groups, _group_scales(groups)).reshape(*xf.shape[:-1], -1)[..., :k]
+
+
+def _group_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of ``block``) -> E4M3 data [M, K] and group scales [M, K/block]."""
+    xf = x.float()
+    groups, _ = _blocks_1d(xf, block)
+    s = _group_scales(groups)
+    return cast_to_fp8(groups / s, E4M3).reshape(xf.shape[0], -1), s[..., 0]
+
+
+def _run(tag: str, fn, x: torch.Tensor, *static):
+    """``fn(x, *static)`` through :func:`fused.run` (one compiled graph per tag, rank, dtype and static args)."""
+    return fused.run(("rollout_activation", tag, x.dim(), x.dtype, *static), lambda: (lambda t: fn(t, *static)), x)
 
 
 def _per_tensor_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +153,7 @@ class VllmW8A8(RolloutScheme):
 
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
         """Per token: ``s = max(amax(x_row)/448, 1/(448*512))``, ``sat(x / s) * s``; x [..., K]."""
-        xf = x.float()
-        s = (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=_VLLM_MIN_SCALE)
-        return _divide_quant(xf, s)
+        return _run("token_fake", _token_fake, x)
 
     def weight_fp8(self, w: torch.Tensor) -> QuantizedOperand:
         """W [N, K] -> E4M3 ``sat(W * fp32(1/s_w))``, s_w repeated per row ([N, 1]: row-wise GEMM layout)."""
@@ -111,9 +162,8 @@ class VllmW8A8(RolloutScheme):
 
     def activation_fp8(self, x: torch.Tensor) -> QuantizedOperand:
         """x [M, K] -> E4M3 ``sat(x / s_x)`` with per-token s_x [M, 1]."""
-        xf = x.float()
-        s = (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=_VLLM_MIN_SCALE)
-        return QuantizedOperand(cast_to_fp8(xf / s, E4M3).contiguous(), s, "row")
+        data, s = _run("token_fp8", _token_fp8, x)
+        return QuantizedOperand(data.contiguous(), s, "row")
 
     def torch_gemm_support(self, device, out_features: int, in_features: int) -> Optional[str]:
         return torch_gemm_support(get_recipe("rowwise"), device, out_features, in_features)
@@ -137,10 +187,7 @@ class VllmBlock(RolloutScheme):
 
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
         """Per 1x128 group along K: ``s = max(amax, 1e-10)/448``; x [..., K]."""
-        xf = x.float()
-        groups, k = _blocks_1d(xf, self.block)
-        s = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_BLOCK_EPS) / 448.0
-        return _divide_quant(groups, s).reshape(*xf.shape[:-1], -1)[..., :k]
+        return _run("group_fake", _group_fake, x, self.block)
 
     def weight_fp8(self, w: torch.Tensor) -> QuantizedOperand:
         """W [N, K] (multiples of the block) -> E4M3 data [N, K] and tile scales [N/B, K/B]."""
@@ -153,11 +200,8 @@ class VllmBlock(RolloutScheme):
 
     def activation_fp8(self, x: torch.Tensor) -> QuantizedOperand:
         """x [M, K] (K a multiple of the block) -> E4M3 data [M, K] and group scales [M, K/B]."""
-        xf = x.float()
-        groups, _ = _blocks_1d(xf, self.block)
-        s = groups.abs().amax(dim=-1, keepdim=True).clamp(min=_BLOCK_EPS) / 448.0
-        data = cast_to_fp8(groups / s, E4M3).reshape(xf.shape[0], -1)
-        return QuantizedOperand(data.contiguous(), s[..., 0].contiguous(), (1, self.block))
+        data, s = _run("group_fp8", _group_fp8, x, self.block)
+        return QuantizedOperand(data.contiguous(), s.contiguous(), (1, self.block))
 
     def torch_gemm_support(self, device, out_features: int, in_features: int) -> Optional[str]:
         if self.block != 128:
