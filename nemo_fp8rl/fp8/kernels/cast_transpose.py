@@ -33,9 +33,14 @@ Triton's interpreter on the CPU against ``quantize.py``; the GPU check's parity 
     pow2: s <- 2^floor(log2 s);   q = fp8_rtne(clamp(fp32(x) * s, -M, M));   scale_inv = fp32(1 / s)
 
 The division is IEEE round-to-nearest (``div_rn``: Triton's ``/`` is approximate on the GPU). The cast to
-FP8 is written with integer bit operations (:func:`_fp8_bits`) instead of Triton's ``.to(float8)``:
-the interpreter's float32 -> E4M3 cast is wrong when rounding carries into the exponent (triton 3.9: -124.2
-becomes -64 where torch and the GPU give -128), and integer operations are exact on both.
+FP8 (and bf16 in and out) has two spellings, picked at compile time (``HW``): on the GPU the hardware's own
+conversion (``cvt.rn.satfinite.e4m3x2.f32``: round to nearest even, one instruction per two elements; the
+GPU check's parity part compares its bytes with the CPU reference), in Triton's interpreter integer bit
+operations (:func:`_fp8_bits`), because the interpreter's float32 -> E4M3 cast is wrong when rounding carries
+into the exponent (triton 3.9: -124.2 becomes -64 where torch and the GPU give -128) and its bf16 -> float32
+conversion loses subnormals. The bit version is what ``tests/fp8/_kernel_checks.py`` pins on every 16-bit
+pattern; the only difference between the two is the sign of a NaN (the hardware writes 0x7F for any NaN,
+torch keeps the sign: 0xFF), which no comparison of values sees.
 
 Shapes: the operand is 2-D, any strides, float32, bf16 or fp16. Outputs are allocated by the launchers
 in exactly the layouts ``backends.scaled_mm_args`` would build (row-padded where torch needs it), so the
@@ -66,7 +71,7 @@ _FMT = {"e4m3": (448.0, True), "e5m2": (57344.0, False)}
 
 
 @triton.jit
-def _fp8_bits(y, E4M3: tl.constexpr):
+def _fp8_bits(y, E4M3: tl.constexpr, HW: tl.constexpr):
     """FP8 bit pattern (int32 in [0, 255]) of float32 ``y``, already clamped to [-M, M] or NaN, rounded to
     nearest even. E4M3 (bias 7, 3 mantissa bits, subnormal step 2^-9) or E5M2 (bias 15, 2 bits, 2^-16).
 
@@ -75,6 +80,10 @@ def _fp8_bits(y, E4M3: tl.constexpr):
     subnormal: |y| / step rounded to an integer by adding 2^23 in float32 (exact: the sum's ulp is 1).
     NaN -> 0x7F with its sign, as torch's cast; the sign bit is kept for zeros (-0 -> 0x80).
     """
+    if HW:  # the GPU's own conversion (cvt.rn.satfinite): one instruction per two elements, same rounding
+        if E4M3:
+            return y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+        return y.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
     b = y.to(tl.int32, bitcast=True)
     sign = (b >> 24) & 0x80
     a = b & 0x7FFFFFFF
@@ -95,8 +104,12 @@ def _fp8_bits(y, E4M3: tl.constexpr):
 
 
 @triton.jit
-def _fp8_value(code, E4M3: tl.constexpr):
+def _fp8_value(code, E4M3: tl.constexpr, HW: tl.constexpr):
     """float32 value of an FP8 bit pattern (int32 in [0, 255]) produced by :func:`_fp8_bits`."""
+    if HW:
+        if E4M3:
+            return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
     sign = (code & 0x80) << 24
     mag = code & 0x7F
     if E4M3:
@@ -139,18 +152,22 @@ def _saturate(y, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _to_f32(v, IN_BF16: tl.constexpr):
+def _to_f32(v, IN_BF16: tl.constexpr, HW: tl.constexpr):
     """float32 of a loaded element: bf16 arrives as its int16 bits and is widened by a shift (exact for
     every pattern, subnormals included: Triton's interpreter converts bf16 subnormals wrongly)."""
     if IN_BF16:
+        if HW:
+            return v.to(tl.bfloat16, bitcast=True).to(tl.float32)
         return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return v.to(tl.float32)
 
 
 @triton.jit
-def _bf16_bits(v):
+def _bf16_bits(v, HW: tl.constexpr):
     """bf16 bit pattern (int16) of float32 ``v``, rounded to nearest even (NaN stays NaN), as the GPU's
     ``cvt.rn.bf16.f32``; written with integer operations so the interpreter gives the same bits."""
+    if HW:
+        return v.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
     b = v.to(tl.int32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, r)
@@ -169,13 +186,13 @@ def _abs_bits(x):
 
 @triton.jit
 def _amax_kernel(x_ptr, R, C, sxr, sxc, amax_ptr, IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_C: tl.constexpr):
+                 BLOCK_C: tl.constexpr, HW: tl.constexpr):
     """amax_ptr (int32 [1], zeroed) <- max over x [R, C] of the bit pattern of |x| (= amax bits)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=mask, other=0)
-    x = _to_f32(x, IN_BF16)
+    x = _to_f32(x, IN_BF16, HW)
     m = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
     tl.atomic_max(amax_ptr, m)
 
@@ -189,7 +206,7 @@ def _tensor_cast_kernel(
     TOP: tl.constexpr, EPS: tl.constexpr, INF_CAP: tl.constexpr, POW2: tl.constexpr, FMAX: tl.constexpr,
     E4M3: tl.constexpr, CURRENT: tl.constexpr, WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
     RECORD_AMAX: tl.constexpr, STATS: tl.constexpr, IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, HW: tl.constexpr,
 ):
     """q [R, C] and/or qt [C, RT] (columns R..RT zero) of x [R, C] with one per-tensor scale.
 
@@ -203,7 +220,7 @@ def _tensor_cast_kernel(
     rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     in_mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = _to_f32(tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=in_mask, other=0), IN_BF16)
+    x = _to_f32(tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=in_mask, other=0), IN_BF16, HW)
     if CURRENT:
         amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
         s = _scale_of(amax, TOP, EPS, INF_CAP, POW2)
@@ -214,7 +231,7 @@ def _tensor_cast_kernel(
         if not CURRENT:
             n_sat = tl.sum(tl.sum((tl.abs(y) > FMAX).to(tl.int64), axis=1), axis=0)
             tl.atomic_add(sat_ptr, n_sat)
-    code = _fp8_bits(_saturate(y, FMAX), E4M3).to(tl.uint8)
+    code = _fp8_bits(_saturate(y, FMAX), E4M3, HW).to(tl.uint8)
     if WRITE_ROW:
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], code, mask=in_mask)
     if WRITE_COL:
@@ -244,7 +261,12 @@ def _compile_options() -> dict:
 
 
 _NO_OPTS: dict = {}
-_OPTS = _NO_OPTS if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else _compile_options()
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_OPTS = _NO_OPTS if _INTERPRET else _compile_options()
+_HW = not _INTERPRET
+"""Compiled for a GPU: FP8 and bf16 conversions by the hardware's own instructions (round to nearest even,
+saturating; the GPU check's parity part compares their bytes with the CPU reference). Interpreted: the
+integer-bit versions, exact where the interpreter's own float conversions are not."""
 
 
 def _in(x: torch.Tensor) -> torch.Tensor:
@@ -316,7 +338,7 @@ def _config(kind: str, dev: torch.device):
                     if kind == "amax":
                         _amax_kernel[(triton.cdiv(x.shape[0], c[0]), triton.cdiv(x.shape[1], c[1]))](
                             _in(x), x.shape[0], x.shape[1], x.stride(0), x.stride(1), amax, IN_BF16=True,
-                            BLOCK_R=c[0], BLOCK_C=c[1], num_warps=c[2], **_OPTS)
+                            BLOCK_R=c[0], BLOCK_C=c[1], num_warps=c[2], HW=_HW, **_OPTS)
                     else:
                         cast_transpose_tensorwise(x, "e4m3", _tiles=c)  # current scaling, as tensorwise runs
 
@@ -358,7 +380,7 @@ def cast_transpose_tensorwise(
         ar, ac, aw = _config("amax", dev)
         _amax_kernel[(triton.cdiv(R, ar), triton.cdiv(C, ac))](_in(x), R, C, x.stride(0), x.stride(1), amax_bits,
                                                               IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=ar,
-                                                              BLOCK_C=ac, num_warps=aw, **_OPTS)
+                                                              BLOCK_C=ac, num_warps=aw, HW=_HW, **_OPTS)
     if stats is not None:
         stats.to_device(dev)
     dummy = amax_bits
@@ -371,7 +393,7 @@ def cast_transpose_tensorwise(
             (stats.saturated, stats.numel, stats.nonfinite_amax) if stats is not None else (dummy, dummy, dummy)),
         TOP=fmax * 2.0 ** (-margin), EPS=float(eps), INF_CAP=_FP32_MAX, POW2=bool(pow2), FMAX=fmax, E4M3=e4m3,
         CURRENT=current, WRITE_ROW=write_row, WRITE_COL=write_col, RECORD_AMAX=not current,
-        STATS=stats is not None, IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=br, BLOCK_C=bc, num_warps=nw, **_OPTS,
+        STATS=stats is not None, IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=br, BLOCK_C=bc, num_warps=nw, HW=_HW, **_OPTS,
     )
     amax = amax_bits.view(torch.float32).reshape(())
     if stats is not None and not current:
@@ -394,6 +416,7 @@ def _block_cast_kernel(
     TOP: tl.constexpr, EPS: tl.constexpr, INF_CAP: tl.constexpr, POW2: tl.constexpr, FMAX: tl.constexpr,
     E4M3: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, TILE: tl.constexpr,
     ROW_BF16: tl.constexpr, COL_BF16: tl.constexpr, STATS: tl.constexpr, IN_BF16: tl.constexpr, B: tl.constexpr,
+    HW: tl.constexpr,
 ):
     """One B x B tile of x [R, C] (zeros outside it), B = 128.
 
@@ -412,18 +435,18 @@ def _block_cast_kernel(
     rows = (pid_r * B + tl.arange(0, B)).to(tl.int64)
     cols = (pid_c * B + tl.arange(0, B)).to(tl.int64)
     in_mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = _to_f32(tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=in_mask, other=0), IN_BF16)
+    x = _to_f32(tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=in_mask, other=0), IN_BF16, HW)
     ab = _abs_bits(x)
     if TILE:
         amax = tl.max(tl.max(ab, axis=1), axis=0).to(tl.float32, bitcast=True)
         s = _scale_of(amax, TOP, EPS, INF_CAP, POW2)
-        code = _fp8_bits(_saturate(x * s, FMAX), E4M3)
+        code = _fp8_bits(_saturate(x * s, FMAX), E4M3, HW)
         sinv = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], code.to(tl.uint8), mask=in_mask)
         tl.store(sq_ptr + pid_r * RQ + pid_c, sinv)
         if COL_BF16:  # hybrid: W's dequantized values for the bf16 dgrad GEMM, in W's layout
-            val = _fp8_value(code, E4M3) * sinv
-            tl.store(qt_ptr + rows[:, None] * C + cols[None, :], _bf16_bits(val), mask=in_mask)
+            val = _fp8_value(code, E4M3, HW) * sinv
+            tl.store(qt_ptr + rows[:, None] * C + cols[None, :], _bf16_bits(val, HW), mask=in_mask)
         else:
             tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(code.to(tl.uint8)),
                      mask=(rows[None, :] < R) & (cols[:, None] < C))
@@ -435,11 +458,11 @@ def _block_cast_kernel(
     if ROW:
         amax_r = tl.max(ab, axis=1).to(tl.float32, bitcast=True)  # [B]
         s_r = _scale_of(amax_r, TOP, EPS, INF_CAP, POW2)
-        code = _fp8_bits(_saturate(x * s_r[:, None], FMAX), E4M3)
+        code = _fp8_bits(_saturate(x * s_r[:, None], FMAX), E4M3, HW)
         sinv_r = tl.math.div_rn(tl.zeros_like(s_r) + 1.0, s_r)
         if ROW_BF16:
-            val = _fp8_value(code, E4M3) * sinv_r[:, None]
-            tl.store(q_ptr + rows[:, None] * C + cols[None, :], _bf16_bits(val), mask=in_mask)
+            val = _fp8_value(code, E4M3, HW) * sinv_r[:, None]
+            tl.store(q_ptr + rows[:, None] * C + cols[None, :], _bf16_bits(val, HW), mask=in_mask)
         else:
             tl.store(q_ptr + rows[:, None] * C + cols[None, :], code.to(tl.uint8),
                      mask=(rows[:, None] < RQ) & (cols[None, :] < C))
@@ -452,11 +475,11 @@ def _block_cast_kernel(
     if COL:
         amax_c = tl.max(ab, axis=0).to(tl.float32, bitcast=True)  # [B]
         s_c = _scale_of(amax_c, TOP, EPS, INF_CAP, POW2)
-        code = _fp8_bits(_saturate(x * s_c[None, :], FMAX), E4M3)
+        code = _fp8_bits(_saturate(x * s_c[None, :], FMAX), E4M3, HW)
         sinv_c = tl.math.div_rn(tl.zeros_like(s_c) + 1.0, s_c)
         if COL_BF16:
-            val = _fp8_value(code, E4M3) * sinv_c[None, :]
-            tl.store(qt_ptr + rows[:, None] * C + cols[None, :], _bf16_bits(val), mask=in_mask)
+            val = _fp8_value(code, E4M3, HW) * sinv_c[None, :]
+            tl.store(qt_ptr + rows[:, None] * C + cols[None, :], _bf16_bits(val, HW), mask=in_mask)
         else:
             tl.store(qt_ptr + cols[:, None] * RT + rows[None, :], tl.trans(code.to(tl.uint8)),
                      mask=(rows[None, :] < RT) & (cols[:, None] < C))
@@ -518,7 +541,7 @@ def cast_transpose_blockwise(
         _out(qt) if qt is not None else dummy, RT, sqt if sqt is not None else fdummy,
         numel, bad, **_block_common(x, fmt, pow2, eps), ROW=row, COL=col, TILE=False,
         ROW_BF16=row_bf16, COL_BF16=col_bf16, STATS=stats is not None, IN_BF16=x.dtype == torch.bfloat16, B=B,
-        num_warps=_warps if _warps is not None else _config("block", dev), **_OPTS,
+        num_warps=_warps if _warps is not None else _config("block", dev), HW=_HW, **_OPTS,
     )
     dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     row_out = col_out = None
@@ -560,7 +583,7 @@ def cast_weight_tiles(
         _in(w), N, K, w.stride(0), w.stride(1), q, L, sq, _out(qt), LT, sqt, numel, bad,
         **_block_common(w, fmt, pow2, eps), ROW=False, COL=False, TILE=True, ROW_BF16=False,
         COL_BF16=transpose_bf16, STATS=stats is not None, IN_BF16=w.dtype == torch.bfloat16, B=B,
-        num_warps=_config("block", dev), **_OPTS,
+        num_warps=_config("block", dev), HW=_HW, **_OPTS,
     )
     dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
     fwd = (q.view(dt), sq.t())
