@@ -4,7 +4,7 @@ Three trainers with the same configuration and seed run in one process, their st
 (A, B, C, A, B, C, ...) so machine load affects them alike: the FP8 fixed-clip arm
 (``calibration=off``), the calibrated arm (``calibration=paper``, interval 20) and the measure-only arm
 (``calibration=measure``: the same shadow forwards, bounds kept nominal). The table prints the mean of
-each ``timing/*`` phase per arm and the overheads ``mean step(arm) / mean step(fixed) - 1`` (goal: < 3%
+each ``timing/*`` phase per arm (weight sync, generation, log-probs, shadow, train; ``PHASES``) and the overheads ``mean step(arm) / mean step(fixed) - 1`` (goal: < 3%
 at interval 20; docs/design.md, Calibrated Clipping). The calibrated arm trains differently (other
 bounds, other responses), so its ratio also carries trajectory differences; the measure-only arm
 follows the fixed arm's trajectory exactly, so its ratio is the cost of calibration alone.
@@ -37,8 +37,24 @@ import torch
 from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.trainer import RLTrainer, run_warmup
 
-PHASES = ("rollout", "logprobs", "shadow", "train", "step")
+PHASES = ("rollout", "weight_sync", "logprobs", "shadow", "train", "step")
+"""The trainer's ``timing/*`` keys printed per arm. ``weight_sync`` is part of ``rollout`` (the sync to the
+rollout engine before it generates); the tables add ``generate`` = rollout - weight_sync, so the split of a
+step reads sync | generate | log-prob | shadow | train (issue 39: the phase split on CPU)."""
 SIZE_KEYS = ("rollout/response_len", "train/global_tokens")
+
+
+def phase_rows(times: dict, arms, fmt: str = ">12.4f", width: int = 16) -> list[str]:
+    """The phase table's rows: one per phase (mean seconds per step and arm), ``generate`` after ``weight_sync``."""
+    rows = []
+    for p in PHASES:
+        if not any(times[n][p] and statistics.mean(times[n][p]) for n in arms) and p not in ("rollout", "step"):
+            continue
+        rows.append(f"{p:<{width}}" + "".join(f"{statistics.mean(times[n][p]):{fmt}}" for n in arms))
+        if p == "weight_sync":
+            gen = {n: statistics.mean(times[n]["rollout"]) - statistics.mean(times[n]["weight_sync"]) for n in arms}
+            rows.append(f"{'  generate':<{width}}" + "".join(f"{gen[n]:{fmt}}" for n in arms))
+    return rows
 
 
 def make_cfg(out: str, recipe: str, mode: str, interval: int, steps: int, cache_dir: str) -> TrainConfig:
@@ -87,7 +103,7 @@ def main_real(args) -> None:
         arms[f"{recipe} eager"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=false", *fixed], "false")
     trainers = {name: real_trainer(f"{tmp}/{name.replace(' ', '_')}", ov, args.warmup_cache)
                 for name, (ov, _) in arms.items()}
-    phases = PHASES + ("weight_sync",)
+    phases = PHASES
     times = {name: {p: [] for p in phases} for name in arms}
     sizes = {name: {k: [] for k in SIZE_KEYS} for name in arms}
     t0 = time.time()
@@ -106,9 +122,7 @@ def main_real(args) -> None:
     print(f"demo-real GRPO step (SmolLM2-135M, chain_sum), {args.steps} steps per arm after step 0, interleaved, "
           f"torch threads {torch.get_num_threads()}, total {time.time() - t0:.0f}s")
     print(f"{'phase (mean s)':<16}" + "".join(f"{n:>18}" for n in arms))
-    for p in phases:
-        if any(times[n][p] and statistics.mean(times[n][p]) for n in arms):
-            print(f"{p:<16}" + "".join(f"{statistics.mean(times[n][p]):>18.2f}" for n in arms))
+    print("\n".join(phase_rows(times, arms, fmt=">18.2f")))
     for k in SIZE_KEYS:  # the work each arm's steps did: differing sizes confound the time ratios
         print(f"{k:<16}" + "".join(f"{statistics.mean(sizes[n][k]):>18.1f}" for n in arms))
     ref = statistics.mean(times["bf16"]["step"])
@@ -156,8 +170,7 @@ def main() -> None:
     print(f"tiny GRPO step, fp8={args.recipe}, {args.steps} steps per arm interleaved, calibration interval "
           f"{args.interval}, torch threads {torch.get_num_threads()}, total {time.time() - t0:.0f}s")
     print(f"{'phase (mean s)':<16}" + "".join(f"{n:>12}" for n in arms))
-    for p in PHASES:
-        print(f"{p:<16}" + "".join(f"{statistics.mean(times[n][p]):>12.4f}" for n in arms))
+    print("\n".join(phase_rows(times, arms)))
     fixed = statistics.mean(times["fixed"]["step"])
     for arm in ("calibrated", "measured"):
         ratio = statistics.mean(times[arm]["step"]) / fixed - 1
