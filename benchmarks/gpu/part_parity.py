@@ -210,7 +210,10 @@ def run(ctx) -> dict:
     cap = tuple(torch.cuda.get_device_capability()) if ctx.device == "cuda" else None
     from nemo_fp8rl.fp8.torch_linear import kernel_path_refusal
 
+    only = [r for r in os.environ.get("GPU_CHECK_PARITY_RECIPES", "").split(",") if r]
     for label, _, _ in RECIPES:
+        if only and label not in only:  # a short run re-checking what changed (GPU_CHECK_PARITY_RECIPES)
+            continue
         rec = recipe(label)
         try:
             # the quantizer fp8.backend=torch runs here: the Triton kernels where they run (no Inductor
