@@ -175,6 +175,18 @@ def _bf16_bits(v, HW: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(x_ptr, pid_r, pid_c, R, C, sxr, sxc, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               IN_BF16: tl.constexpr, HW: tl.constexpr):
+    """Tile (pid_r, pid_c) of x [R, C] (any strides) as float32, zeros outside x:
+    ``(x_tile [BLOCK_R, BLOCK_C], rows [BLOCK_R] int64, cols [BLOCK_C] int64, in-bounds mask)``."""
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=mask, other=0)
+    return _to_f32(x, IN_BF16, HW), rows, cols, mask
+
+
+@triton.jit
 def _abs_bits(x):
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
@@ -188,11 +200,7 @@ def _abs_bits(x):
 def _amax_kernel(x_ptr, R, C, sxr, sxc, amax_ptr, IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_C: tl.constexpr, HW: tl.constexpr):
     """amax_ptr (int32 [1], zeroed) <- max over x [R, C] of the bit pattern of |x| (= amax bits)."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=mask, other=0)
-    x = _to_f32(x, IN_BF16, HW)
+    x, _, _, _ = _load_tile(x_ptr, tl.program_id(0), tl.program_id(1), R, C, sxr, sxc, BLOCK_R, BLOCK_C, IN_BF16, HW)
     m = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
     tl.atomic_max(amax_ptr, m)
 
@@ -217,10 +225,7 @@ def _tensor_cast_kernel(
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    in_mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = _to_f32(tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=in_mask, other=0), IN_BF16, HW)
+    x, rows, cols, in_mask = _load_tile(x_ptr, pid_r, pid_c, R, C, sxr, sxc, BLOCK_R, BLOCK_C, IN_BF16, HW)
     if CURRENT:
         amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
         s = _scale_of(amax, TOP, EPS, INF_CAP, POW2)
@@ -432,10 +437,7 @@ def _block_cast_kernel(
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = (pid_r * B + tl.arange(0, B)).to(tl.int64)
-    cols = (pid_c * B + tl.arange(0, B)).to(tl.int64)
-    in_mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = _to_f32(tl.load(x_ptr + rows[:, None] * sxr + cols[None, :] * sxc, mask=in_mask, other=0), IN_BF16, HW)
+    x, rows, cols, in_mask = _load_tile(x_ptr, pid_r, pid_c, R, C, sxr, sxc, B, B, IN_BF16, HW)
     ab = _abs_bits(x)
     if TILE:
         amax = tl.max(tl.max(ab, axis=1), axis=0).to(tl.float32, bitcast=True)
