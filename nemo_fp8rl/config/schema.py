@@ -60,7 +60,7 @@ class Fp8Config:
     """Deprecated spelling of fp8.backend: true = te, false = emulate (an error if it contradicts fp8.backend)."""
     compile: str = "auto"
     """Fused quantization with torch.compile (Inductor: Triton on GPU, C++ on CPU), bit-equal to eager:
-    auto (GPU always; CPU for layers whose weight has >= 2^18 elements, i.e. real models, not the tiny
+    auto (GPU always; CPU for layers whose weight has >= 100,000 elements, i.e. real models, not the tiny
     demo) | true | false. Where compile is unavailable the quantizer runs eager and says so once."""
 
 

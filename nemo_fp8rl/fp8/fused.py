@@ -30,8 +30,9 @@ limit and silently drop to eager.
 Mode (``fp8.compile``, :func:`set_compile_mode`):
 
 * ``auto`` (default): compiled on a GPU; on a CPU compiled for the operands of a linear whose weight
-  has at least :data:`AUTO_MIN_NUMEL` elements (a real model's layer: SmolLM2-135M's smallest is
-  576 x 576), and for other tensors of at least that size. Below it the eager ops are dispatch-bound, not
+  has at least :data:`AUTO_MIN_NUMEL` elements (a real model's layer: SmolLM2-135M's smallest, its k/v
+  projections, are 576 x 192 = 110,592; the tiny demo model's largest is 128 x 768 = 98,304), and for other
+  tensors of at least that size. Below it the eager ops are dispatch-bound, not
   bandwidth-bound, and each configuration's first compile (1-5 s of C++ per kernel) would cost the tiny
   CPU models of the demo and the tests more than it saves. Eager where compile is unavailable.
 * ``true``: compiled for every tensor (falls back to eager, with one warning, if compile fails).
@@ -58,9 +59,12 @@ logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("auto", "true", "false")
 
-AUTO_MIN_NUMEL = 1 << 18
-"""``auto`` on a CPU compiles a linear's operands when its weight has at least this many elements (1 MiB
-of float32), and a lone tensor of that size."""
+AUTO_MIN_NUMEL = 100_000
+"""``auto`` on a CPU compiles a linear's operands when its weight has at least this many elements, and a lone
+tensor of that size. Was 2^18 until 2026-12-04: that left SmolLM2-135M's k/v projections (576 x 192) eager,
+and its blockwise forward+backward cost 1.30x the unconverted model under ``auto`` against 1.14x compiled
+(benchmarks/bench_fp8_model.py, one thread). Compiled functions are keyed by configuration, not shape, so
+the smaller layers add no compile of their own."""
 
 _state = {"mode": os.environ.get("NEMO_FP8RL_COMPILE", "auto").lower(), "broken": None}
 _cache: Dict[Hashable, Callable] = {}
