@@ -3,7 +3,8 @@
 CPU test mode ``NEMO_FP8RL_TEST_CPU=avx2``: the tests see an AVX2-only x86 CPU (no AVX-512, no AMX), as on
 the AVX2-only AMD EPYC CI machines, whatever this machine has. Set before torch loads: torch's kernels are
 limited to AVX2 (``ATEN_CPU_CAPABILITY=avx2``), oneDNN's and MKL's too (``ONEDNN_MAX_CPU_ISA=AVX2``,
-``MKL_ENABLE_INSTRUCTIONS=AVX2``; subprocesses inherit these three). In the test process, torch's feature
+``MKL_ENABLE_INSTRUCTIONS=AVX2``; subprocesses inherit these three), with Inductor's kernel cache in a
+folder of its own (``TORCHINDUCTOR_CACHE_DIR``: kernels cached under the real CPU's features are wrong here). In the test process, torch's feature
 probes (``torch.cpu.get_capabilities()``, ``torch.cpu._is_avx512_supported()``, ``_is_amx_tile_supported()``
 and the like: what vLLM-CPU and :func:`nemo_fp8rl.rollout.vllm_support.cpu_features` read) answer False
 for AVX-512 and AMX, so a test that needs AVX-512 skips and a hardware check refuses as it would there
@@ -31,6 +32,14 @@ if TEST_CPU == "avx2":
     for _key, _value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"),
                          ("MKL_ENABLE_INSTRUCTIONS", "AVX2")):
         os.environ.setdefault(_key, _value)
+    # Inductor's on-disk cache of its own: compiled CPU kernels cached by a run that saw AVX-512 came back
+    # under this mode as garbage (inf/NaN from the fused FP8 quantizer, tests/fp8/test_fused.py, 2026-12-04),
+    # and the mode runs on the same machine and cache as the normal suite (`make test`)
+    import getpass
+    import tempfile
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_avx2"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
