@@ -399,7 +399,7 @@ class RolloutWeights:
     """All weights of the rollout model (on the engine's device and dtype)."""
 
     embed: torch.Tensor  # [V, d]
-    lm_head: torch.Tensor  # [V, d]
+    lm_head: torch.Tensor  # [V, d] float32
     final_norm: torch.Tensor  # [d]
     layers: list[LayerWeights]
     inv_freq: torch.Tensor  # [hd/2] float32
@@ -542,7 +542,9 @@ def build_weights(
     embed = top["model.embed_tokens.weight"]
     return RolloutWeights(
         embed=embed,
-        lm_head=top.get("lm_head.weight", embed),
+        # float32 once per sync: the logits are float32 (_logits), and a BF16 engine would otherwise copy the
+        # V x d head to float32 at every decoded token (a no-op for the float32 CPU engine)
+        lm_head=top.get("lm_head.weight", embed).float(),
         final_norm=top["model.norm.weight"],
         layers=layers,  # type: ignore[arg-type]
         inv_freq=rope_inv_freq(shape).to(device),
