@@ -36,7 +36,7 @@ FINITE_KEYS = ("reward/mean", "policy/entropy", "train/loss", "train/grad_norm",
 ARMS = {
     # fp8.backend=auto: what a user gets on a GPU without Transformer Engine (torch's FP8 GEMMs, the layers that
     # measured slower than BF16 at this micro-batch kept in BF16: fp8/layer_filter.py)
-    "fp8_tensorwise_calibrated": ["fp8=tensorwise", "fp8.backend=auto", "calibration=paper",
+    "fp8_tensorwise_calibrated": ["fp8=tensorwise", "fp8.backend={backend}", "calibration=paper",
                                   "calibration.interval=2", "calibration.min_tokens=4"],
     "bf16": ["fp8=off", "calibration=off"],
 }
@@ -128,7 +128,10 @@ def run(ctx) -> dict:
             if timeout < 20:
                 res["arms"][name] = {"failed": f"out of time ({ctx.left():.0f}s left)"}
                 continue
-            res["arms"][name] = _arm(name, [*_overrides(ctx.dry), *ARMS[name]], timeout, tmp)
+            # the dry run keeps fp8.backend=torch: auto is the emulation on a CPU, and the dry run is there to
+            # run the GPU path's code (torch's CPU FP8 GEMM)
+            arm_args = [a.format(backend="torch" if ctx.dry else "auto") for a in ARMS[name]]
+            res["arms"][name] = _arm(name, [*_overrides(ctx.dry), *arm_args], timeout, tmp)
             ctx.save()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
