@@ -92,15 +92,14 @@ def _kernels_equal(rec, x, w, dy, device) -> dict:
             d = t.to(device)
             if rec.scaling == "blockwise":
                 if role == "weight":
-                    hyb = rec.format_for("grad_output").name == "e5m2"
+                    hyb = rec.block_e5m2_grads
                     out["w_tiles"] = ref.same_bytes(ops.cast_weight_tiles(d, fmt, transpose_bf16=hyb, **kw),
                                                     ref.weight_tile_layouts(t, fmt, transpose_bf16=hyb, **kw))
                 else:
                     bf16 = role == "grad_output" and fmt == "e5m2"
-                    got = ops.cast_transpose_blockwise(d, fmt, row_bf16=bf16, col_bf16=bf16 or (
-                        role == "input" and rec.format_for("grad_output").name == "e5m2"), **kw)
-                    want = ref.blockwise_layouts(t, fmt, row_bf16=bf16, col_bf16=bf16 or (
-                        role == "input" and rec.format_for("grad_output").name == "e5m2"), **kw)
+                    col_bf16 = bf16 or (role == "input" and rec.block_e5m2_grads)  # hybrid's bf16 wgrad operands
+                    got = ops.cast_transpose_blockwise(d, fmt, row_bf16=bf16, col_bf16=col_bf16, **kw)
+                    want = ref.blockwise_layouts(t, fmt, row_bf16=bf16, col_bf16=col_bf16, **kw)
                     out[f"{role}_row"] = ref.same_bytes(got[0], want[0])
                     out[f"{role}_col"] = ref.same_bytes(got[1], want[1])
             else:

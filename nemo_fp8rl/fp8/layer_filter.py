@@ -54,7 +54,7 @@ GEMMs of dequantized operands). A scaling not listed (mxfp8 on Hopper) never is.
 
 def recipe_threshold(recipe: Fp8Recipe) -> float:
     """The GEMM work at which ``recipe`` pays off on the torch backend (``inf``: never, on the measured GPU)."""
-    if recipe.scaling == "blockwise" and recipe.format_for("grad_output").name == "e5m2":
+    if recipe.block_e5m2_grads:
         return MIN_GEMM_WORK["blockwise_hybrid"]
     return MIN_GEMM_WORK.get(recipe.scaling, math.inf)
 
@@ -76,4 +76,21 @@ def keep_bf16_reason(recipe: Fp8Recipe, tokens: int, out_features: int, in_featu
             f"below which FP8 measured slower than BF16 ({MEASURED_ON})")
 
 
-__all__ = ["MEASURED_ON", "MIN_GEMM_WORK", "keep_bf16_reason", "recipe_threshold"]
+def auto_keep_reason(recipe: Fp8Recipe, layer_backend: str, auto_tokens: Optional[int], out_features: int,
+                     in_features: int, device) -> Optional[str]:
+    """The converters' question: keep this linear high precision under ``fp8.backend=auto``? Only a layer
+    that would run torch's FP8 GEMMs (``layer_backend == "torch"``) with ``auto_tokens`` set is judged
+    (:func:`keep_bf16_reason`); None: convert it."""
+    if not auto_tokens or layer_backend != "torch":
+        return None
+    return keep_bf16_reason(recipe, auto_tokens, out_features, in_features, device)
+
+
+def log_auto_kept(log, auto_kept: dict) -> None:
+    """One warning naming the linears ``fp8.backend=auto`` kept high precision, by reason (``{reason: n}``)."""
+    if auto_kept:
+        log.warning("fp8.backend=auto: %d linear(s) kept in high precision, where FP8 measured slower than BF16: %s",
+                    sum(auto_kept.values()), "; ".join(f"{n}x {r}" for r, n in sorted(auto_kept.items())))
+
+
+__all__ = ["MEASURED_ON", "MIN_GEMM_WORK", "auto_keep_reason", "keep_bf16_reason", "log_auto_kept", "recipe_threshold"]

@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from nemo_fp8rl.fp8.backends import FP8_BACKENDS, torch_gemm_support
 from nemo_fp8rl.fp8.quantize import _quantize_impl
 from nemo_fp8rl.fp8.recipes import Fp8Recipe
-from nemo_fp8rl.fp8.state import DelayedScalingMeta, Fp8LinearState, WeightCache, _delayed_scale  # noqa: F401 (re-exported)
+from nemo_fp8rl.fp8.state import (  # noqa: F401 (DelayedScalingMeta, WeightCache: re-exported)
+    DelayedScalingMeta, Fp8LinearState, WeightCache, _delayed_scale, cached_weight,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,24 +57,21 @@ def quantize_operand(
     # scales, 2-D tiles); row/MX weights are re-quantized per use and keep no float32 copy between GEMMs,
     # which the memory plan counts on (launcher/memory.py, weight_copy_bytes)
     cacheable = role == "weight" and dim == 1 and recipe.granularity_for("weight") not in ("row", "mx")
-    cache = state.weight_cache if (state is not None and cacheable) else None
-    if cache is not None and cache.active:
-        hit = cache.get(t, dim)
-        if hit is not None:
-            return hit
-    meta, scale = _delayed_scale(t, role, recipe, state)
-    # float32 read-back whatever t's dtype: an FP8 GEMM multiplies q * scale_inv exactly, so rounding the
-    # dequantized value to a bf16 input's dtype would add an error no FP8 kernel has
-    out, _, amax = _quantize_impl(
-        t, recipe.format_for(role), recipe.granularity_for(role), dim, recipe.pow2_scales, 0, recipe.amax_epsilon,
-        recipe.mx_block, scale, state.stats if state is not None else None, True, recipe.dequant == "divide",
-        torch.float32, size_hint,
-    )
-    if meta is not None and record:
-        meta.record_and_update(amax.detach(), recipe, role)  # delayed = per tensor: the stage-1 amax is t's amax
-    if cache is not None and cache.active:
-        cache.put(t, dim, out)
-    return out
+
+    def make() -> torch.Tensor:
+        meta, scale = _delayed_scale(t, role, recipe, state)
+        # float32 read-back whatever t's dtype: an FP8 GEMM multiplies q * scale_inv exactly, so rounding the
+        # dequantized value to a bf16 input's dtype would add an error no FP8 kernel has
+        out, _, amax = _quantize_impl(
+            t, recipe.format_for(role), recipe.granularity_for(role), dim, recipe.pow2_scales, 0,
+            recipe.amax_epsilon, recipe.mx_block, scale, state.stats if state is not None else None, True,
+            recipe.dequant == "divide", torch.float32, size_hint,
+        )
+        if meta is not None and record:
+            meta.record_and_update(amax.detach(), recipe, role)  # delayed = per tensor: the stage-1 amax is t's
+        return out
+
+    return cached_weight(state, t, dim, make) if cacheable else make()
 
 
 def _truncate_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -307,7 +306,7 @@ def convert_to_fp8(
     GEMMs on a GPU but measured slower than BF16 at that size is left a ``torch.nn.Linear``
     (:func:`~nemo_fp8rl.fp8.layer_filter.keep_bf16_reason`), counted in ``auto_kept``.
     """
-    from nemo_fp8rl.fp8.layer_filter import keep_bf16_reason
+    from nemo_fp8rl.fp8 import layer_filter
 
     auto_kept: Dict[str, int] = {}
     total = 0
@@ -324,8 +323,8 @@ def convert_to_fp8(
                 total += 1
                 if module_filter_fn is None or module_filter_fn(child, fqn):
                     b, reason = layer_backend(recipe, backend, child.weight.device, child.out_features, child.in_features)
-                    slow = keep_bf16_reason(recipe, auto_tokens, child.out_features, child.in_features,
-                                            child.weight.device) if (auto_tokens and b == "torch") else None
+                    slow = layer_filter.auto_keep_reason(recipe, b, auto_tokens, child.out_features,
+                                                         child.in_features, child.weight.device)
                     if slow:
                         auto_kept[slow] = auto_kept.get(slow, 0) + 1
                         continue
@@ -343,9 +342,7 @@ def convert_to_fp8(
         "torch_gemm": counter.torch_gemm, "emulated_fallback": counter.emulated_fallback,
         "fallback_reasons": dict(counter.fallback_reasons), "auto_kept": auto_kept,
     }
-    if auto_kept:
-        logger.warning("fp8.backend=auto: %d linear(s) kept in high precision, where FP8 measured slower than BF16: %s",
-                       sum(auto_kept.values()), "; ".join(f"{n}x {r}" for r, n in sorted(auto_kept.items())))
+    layer_filter.log_auto_kept(logger, auto_kept)
     return module
 
 

@@ -46,7 +46,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from nemo_fp8rl.fp8.layer_filter import keep_bf16_reason
+from nemo_fp8rl.fp8 import layer_filter
 from nemo_fp8rl.fp8.linear import ConversionCounter, Fp8LinearState, disable_fp8, fp8_linear, layer_backend
 from nemo_fp8rl.fp8.recipes import Fp8Recipe
 
@@ -203,8 +203,7 @@ def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Reci
                 else:
                     out_f, in_f = m.weight.shape
                     b, reason = layer_backend(recipe, backend, m.weight.device, out_f, in_f)
-                    slow = keep_bf16_reason(recipe, auto_tokens, out_f, in_f, m.weight.device) if (
-                        auto_tokens and b == "torch") else None
+                    slow = layer_filter.auto_keep_reason(recipe, b, auto_tokens, out_f, in_f, m.weight.device)
                     if slow:
                         m.set_fp8(None)
                         kept += 1
@@ -218,9 +217,7 @@ def apply_fp8_to_megatron_model(model: torch.nn.Module, recipe: Optional[Fp8Reci
         (log.warning if counter.emulated_fallback else log.info)("FP8 (%s): converted %d/%d linear layers on this stage (%d kept high precision; "
                  "embedding and LM head always high precision); %s", recipe.name, converted, total, kept,
                  counter.summary())
-        if auto_kept:
-            log.warning("fp8.backend=auto: %d linear(s) kept in high precision, where FP8 measured slower than BF16: %s",
-                        sum(auto_kept.values()), "; ".join(f"{n}x {r}" for r, n in sorted(auto_kept.items())))
+        layer_filter.log_auto_kept(log, auto_kept)
     return Fp8ConversionReport(
         converted=converted, kept_high_precision=kept, total=total, backend=backend,
         torch_gemm=counter.torch_gemm if counter else 0,

@@ -119,6 +119,12 @@ class Fp8Recipe:
             if getattr(self, k) < 1:
                 raise ValueError(f"fp8 recipe {self.name!r}: {k} must be >= 1")
 
+    @property
+    def block_e5m2_grads(self) -> bool:
+        """``blockwise`` with E5M2 gradients (``fp8_format=hybrid``): torch's 1x128/128x128 GEMMs take E4M3 x
+        E4M3 only, so the torch backend runs dgrad and wgrad of such a recipe differently."""
+        return self.scaling == "blockwise" and self.format_for("grad_output").name == "e5m2"
+
     def format_for(self, role: str) -> Fp8Format:
         """FP8 format of an operand role (``input``, ``weight``, ``grad_output``)."""
         if role not in ROLES:

@@ -110,3 +110,17 @@ def _delayed_scale(t: torch.Tensor, role: str, recipe: Fp8Recipe, state: Optiona
         raise ValueError("delayed scaling needs an Fp8LinearState (per-layer amax history)")
     meta = state.delayed[role]
     return meta, meta.scale.to(t.device)
+
+
+def cached_weight(state: Optional[Fp8LinearState], weight: torch.Tensor, key: Hashable, make):
+    """``make()``, or its value from this step's weight cache (``linear.fp8_weight_cache``: valid while the
+    weight's storage, shape and version are unchanged; nothing is kept outside the block). Every backend's
+    FP8 weights go through here, under keys of their own."""
+    cache = state.weight_cache if state is not None else None
+    if cache is None or not cache.active:
+        return make()
+    hit = cache.get(weight, key)
+    if hit is None:
+        hit = make()
+        cache.put(weight, key, hit)
+    return hit

@@ -28,7 +28,7 @@ from nemo_fp8rl.fp8 import kernels
 from nemo_fp8rl.fp8.backends import QuantizedOperand, scaled_gemm
 from nemo_fp8rl.fp8.quantize import _quantize_impl
 from nemo_fp8rl.fp8.recipes import Fp8Recipe
-from nemo_fp8rl.fp8.state import Fp8LinearState, _delayed_scale
+from nemo_fp8rl.fp8.state import Fp8LinearState, _delayed_scale, cached_weight
 
 
 def quantize_operand_fp8(
@@ -59,19 +59,6 @@ def quantize_operand_fp8(
     if gran[0] == 1:  # scale_inv [R, K/B, 1] -> [R, K/B]
         return QuantizedOperand(data, scale_inv[..., 0], gran)
     return QuantizedOperand(data, scale_inv[:, 0, :, 0].contiguous(), gran)  # [R/B, 1, K/B, 1] -> [R/B, K/B]
-
-
-def _cached(state: Optional[Fp8LinearState], weight: torch.Tensor, key: str, make):
-    """``make()``, or its value from this step's weight cache (:func:`~nemo_fp8rl.fp8.linear.fp8_weight_cache`:
-    valid while the weight's storage, shape and version are unchanged; nothing is kept outside the block)."""
-    cache = state.weight_cache if state is not None else None
-    if cache is None or not cache.active:
-        return make()
-    hit = cache.get(weight, key)
-    if hit is None:
-        hit = make()
-        cache.put(weight, key, hit)
-    return hit
 
 
 def _pad_rows_to(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -108,7 +95,7 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         out_dtype = _gemm_out_dtype(x.dtype)
         xq = quantize_operand_fp8(x2, "input", recipe, state, record)
-        wq = _cached(state, weight, "torch_fwd", lambda: quantize_operand_fp8(weight, "weight", recipe, state, record))
+        wq = cached_weight(state, weight, "torch_fwd", lambda: quantize_operand_fp8(weight, "weight", recipe, state, record))
         # the bias goes into the GEMM's epilogue where torch allows it, else it is added in out_dtype
         y = scaled_gemm(xq, wq, out_dtype, fast_accum=forward_fast_accum(recipe), bias=bias)
         per_tensor = recipe.granularity_for("input") == "tensor" and recipe.wgrad_fp8
@@ -135,7 +122,7 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gq = quantize_operand_fp8(g, "grad_output", recipe, state, record=True)  # [M, N] along N
             if ctx.reuse_w:  # W^T [K, N], once per step inside fp8_weight_cache
-                wq_t = _cached(state, ctx.weight_ref, "torch_bwd", lambda: QuantizedOperand(w_saved, w_sinv, ctx.gran_w).t())
+                wq_t = cached_weight(state, ctx.weight_ref, "torch_bwd", lambda: QuantizedOperand(w_saved, w_sinv, ctx.gran_w).t())
             else:
                 wq_t = quantize_operand_fp8(w_saved.t(), "weight", recipe, state, record=False)
             grad_x = scaled_gemm(gq, wq_t, out_dtype).to(ctx.x_dtype).reshape(ctx.x_shape)  # .to: no-op unless float64
@@ -193,12 +180,9 @@ def _kernel_path_refusal(recipe: Fp8Recipe, device) -> Optional[str]:
         return f"{recipe.scaling}: no cast-transpose kernel (recipes with one: {', '.join(KERNEL_SCALINGS)})"
     if not recipe.wgrad_fp8:
         return "wgrad_fp8=false: the wgrad GEMM is high precision, the reference path runs it"
-    if recipe.scaling == "blockwise":
-        if recipe.input_block != 128 or recipe.weight_block != 128:
-            return "blockwise kernels use 128 blocks"
-        if recipe.format_for("grad_output").name == "e5m2" and not recipe.pow2_scales:
-            return hybrid_blockwise_refusal(recipe)
-    return None
+    if recipe.scaling == "blockwise" and (recipe.input_block != 128 or recipe.weight_block != 128):
+        return "blockwise kernels use 128 blocks"
+    return hybrid_blockwise_refusal(recipe)
 
 
 def hybrid_blockwise_refusal(recipe: Fp8Recipe) -> Optional[str]:
@@ -210,7 +194,7 @@ def hybrid_blockwise_refusal(recipe: Fp8Recipe) -> Optional[str]:
     subnormal range (a 1x128 group whose amax is under ~1e-31). With float32 scales it is not, and the
     only exact alternative is a float32 GEMM ~10x slower than BF16: refused (None: allowed).
     """
-    if recipe.scaling == "blockwise" and recipe.format_for("grad_output").name == "e5m2" and not recipe.pow2_scales:
+    if recipe.block_e5m2_grads and not recipe.pow2_scales:
         return ("fp8=blockwise with fp8_format=hybrid and pow2_scales=false cannot run on the torch backend: torch's "
                 "block-scaled GEMMs take E4M3 x E4M3 only, and E5M2 gradients with float32 scales are not exact in "
                 "the bf16 GEMM that replaces them (it would need a float32 GEMM, ~10x slower than BF16). Use "
@@ -228,7 +212,7 @@ def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8
     fmt = recipe.format_for("weight").name
     stats = state.stats if state is not None else None
     if recipe.scaling == "blockwise":
-        hybrid = recipe.format_for("grad_output").name == "e5m2"
+        hybrid = recipe.block_e5m2_grads
         (q, s), bwd = ops.cast_weight_tiles(weight, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
                                             transpose_bf16=hybrid, stats=stats)
         fwd = QuantizedOperand(q, s, (128, 128), prepared=True)
@@ -241,6 +225,13 @@ def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8
     if meta is not None and record:
         meta.record_and_update(amax, recipe, "weight")
     return QuantizedOperand(q, sinv, "tensor", prepared=True), QuantizedOperand(qt, sinv, "tensor", prepared=True)
+
+
+def _unpack(op) -> tuple:
+    """``(data, scale_inv)`` of a prepared operand, ``(tensor, None)`` of a bf16 one, ``(None, None)``."""
+    if isinstance(op, QuantizedOperand):
+        return op.data, op.scale_inv
+    return op, None
 
 
 class _Fp8KernelLinearFn(torch.autograd.Function):
@@ -272,8 +263,8 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0] and record, ctx.needs_input_grad[1] and record
         stats = state.stats if state is not None else None
         block = recipe.scaling == "blockwise"
-        hybrid = block and recipe.format_for("grad_output").name == "e5m2"
-        wq, wq_bwd = _cached(state, weight, "kernel", lambda: _weight_layouts(weight, recipe, state, record))
+        hybrid = recipe.block_e5m2_grads
+        wq, wq_bwd = cached_weight(state, weight, "kernel", lambda: _weight_layouts(weight, recipe, state, record))
         fmt = recipe.format_for("input").name
         if block:
             xrow, xcol = ops.cast_transpose_blockwise(x2, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
@@ -290,7 +281,10 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
             xq = QuantizedOperand(q, sinv, "tensor", prepared=True)
             x_saved = QuantizedOperand(qt, sinv, "tensor", prepared=True) if qt is not None else None
         y = scaled_gemm(xq, wq, out_dtype, fast_accum=forward_fast_accum(recipe), bias=bias)
-        ctx.x_saved, ctx.w_saved = x_saved, (wq_bwd if need_dgrad else None)
+        # through save_for_backward (freed after backward, kept by retain_graph); an operand is its FP8 data and
+        # scale-inverses, or (hybrid) one bf16 tensor
+        w_saved = wq_bwd if need_dgrad else None
+        ctx.save_for_backward(*_unpack(x_saved), *_unpack(w_saved))
         ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, state, x.shape, x.dtype, weight.dtype
         ctx.block, ctx.hybrid, ctx.has_bias = block, hybrid, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -305,8 +299,11 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
         stats = state.stats if state is not None else None
         fmt = recipe.format_for("grad_output").name
         grad_x = grad_w = grad_b = None
-        x_saved, w_saved = ctx.x_saved, ctx.w_saved
-        ctx.x_saved = ctx.w_saved = None  # free the FP8 copies with the graph
+        xd, xs, wd, ws = ctx.saved_tensors
+        gran = (1, 128) if ctx.block else "tensor"
+        wgran = (128, 128) if ctx.block else "tensor"
+        x_saved = xd if xs is None else QuantizedOperand(xd, xs, gran, prepared=True)
+        w_saved = wd if ws is None else QuantizedOperand(wd, ws, wgran, prepared=True)
         if ctx.block:
             grow, gcol = ops.cast_transpose_blockwise(g, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
                                                       row=need_dgrad, col=need_wgrad, row_bf16=ctx.hybrid,

@@ -434,6 +434,58 @@ def test_one_fp8_linear_moves_at_most_1_5x_the_ideal_bytes_and_quantizes_the_wei
     assert cast_shapes.count((m, k)) == micro and cast_shapes.count((m, n)) == micro
     ideal = micro * ((2 + 1 + 1) * m * k + (2 + 1 + 1) * m * n) + (2 + 1 + 1) * n * k
     moved = triton_traffic.loaded + triton_traffic.stored + sum(op[1] for op in torch_traffic.ops)
-    print(f"moved {moved} B, ideal {ideal} B: {moved / ideal:.3f}x")
     assert moved <= 1.5 * ideal + micro * 1024, (moved, ideal, moved / ideal)
     assert moved >= ideal  # the hooks saw the kernels' traffic at all
+
+
+def _dequant_prepared(op):
+    """float32 values of a prepared operand, from torch's scale layouts (backends.scaled_mm_args)."""
+    q = op.data.float()
+    if op.granularity == "tensor":
+        return q * op.scale_inv
+    if tuple(op.granularity) == (1, 128):
+        return q * op.scale_inv.repeat_interleave(128, 1)[: q.shape[0], : q.shape[1]]
+    tiles = op.scale_inv[: q.shape[1] // 128, :].t()  # [L4, R/128] -> [R/128, K/128]
+    return q * tiles.repeat_interleave(128, 0).repeat_interleave(128, 1)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_blockwise_kernel_linear_matches_the_emulation(fmt, monkeypatch):
+    """The blockwise kernel path end to end on a CPU (torch's CPU GEMM has no block scaling, so the FP8 GEMM
+    is a float32 product of the prepared operands' dequantized values): forward, dgrad, wgrad equal the
+    emulation's within ``gemm_error_bound`` (hybrid: bf16 GEMMs of exact bf16 operands), twice, the second
+    backward through ``retain_graph``."""
+    from nemo_fp8rl.fp8 import torch_linear
+    from nemo_fp8rl.fp8.backends import gemm_error_bound
+
+    def gemm(a, b, out_dtype, fast_accum=False, bias=None):
+        out = _dequant_prepared(a) @ _dequant_prepared(b).t()
+        out = out[: a.rows] if a.rows is not None else out
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+
+    monkeypatch.setattr(torch_linear, "scaled_gemm", gemm)
+    monkeypatch.setenv("NEMO_FP8RL_KERNELS", "interpret")
+    rec = get_recipe("blockwise", fp8_format=fmt)
+    assert torch_linear.kernel_path_refusal(rec, "cpu") is None
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    x = (torch.randn(130, 384, generator=g) * 2).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(130, 256, generator=g).to(torch.bfloat16)
+    y = torch_linear._Fp8KernelLinearFn.apply(x, w, None, rec, Fp8LinearState(rec), True)
+    got = [y, *torch.autograd.grad(y, (x, w), dy, retain_graph=True)]
+    again = torch.autograd.grad(y, (x, w), dy)
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], again))
+    monkeypatch.setenv("NEMO_FP8RL_KERNELS", "0")
+    ye = fp8_linear(x, w, None, rec, Fp8LinearState(rec), backend="emulate")
+    want = [ye, *torch.autograd.grad(ye, (x, w), dy)]
+    from nemo_fp8rl.fp8 import quantize_operand
+
+    st = Fp8LinearState(rec)
+    hats = [(quantize_operand(x, "input", 1, rec, st, False), quantize_operand(w, "weight", 1, rec, st, False)),
+            (quantize_operand(dy, "grad_output", 1, rec, st, False), quantize_operand(w, "weight", 0, rec, st, False).t()),
+            (quantize_operand(dy, "grad_output", 0, rec, st, False).t(), quantize_operand(x, "input", 0, rec, st, False).t())]
+    for i, ((a, b), out, ref) in enumerate(zip(hats, got, want)):
+        assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
+        bound = gemm_error_bound(a, b, torch.bfloat16)
+        # each differs from the exact product by at most the bound: from each other by at most twice it
+        assert bool(((out.double() - ref.double()).abs() <= 2 * bound).all()), f"output {i}"

@@ -62,7 +62,8 @@ logger = logging.getLogger(__name__)
 
 _FP32_MAX = 3.4028234663852886e38
 _DTYPE_MAX = {torch.float32: _FP32_MAX, torch.bfloat16: 3.3895313892515355e38, torch.float16: 65504.0}
-_FMT = {"e4m3": (448.0, True), "e5m2": (57344.0, False)}
+_FMT = {"e4m3": (448.0, True, torch.float8_e4m3fn), "e5m2": (57344.0, False, torch.float8_e5m2)}
+"""format -> (largest finite value M, is E4M3, torch dtype)"""
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -265,9 +266,8 @@ def _compile_options() -> dict:
     return {k: False for k in ("enable_reflect_ftz", "enable_fp_fusion") if k in known}
 
 
-_NO_OPTS: dict = {}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_OPTS = _NO_OPTS if _INTERPRET else _compile_options()
+_OPTS = {} if _INTERPRET else _compile_options()
 _HW = not _INTERPRET
 """Compiled for a GPU: FP8 and bf16 conversions by the hardware's own instructions (round to nearest even,
 saturating; the GPU check's parity part compares their bytes with the CPU reference). Interpreted: the
@@ -282,10 +282,6 @@ def _in(x: torch.Tensor) -> torch.Tensor:
 def _out(t: torch.Tensor) -> torch.Tensor:
     """What a kernel writes into: a bf16 output as int16 bits (:func:`_bf16_bits`)."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
-def _fmt(fmt: str) -> Tuple[float, bool]:
-    return _FMT[fmt]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -327,7 +323,7 @@ def _config(kind: str, dev: torch.device):
     once per process on a :data:`TUNE_SHAPE` tensor of this GPU (a few milliseconds plus one compile per
     candidate, cached on disk by Triton). Not on the CPU interpreter, and not with NEMO_FP8RL_KERNEL_TUNE=0
     (then the defaults)."""
-    if dev.type != "cuda" or os.environ.get("NEMO_FP8RL_KERNEL_TUNE", "1") == "0" or _OPTS is _NO_OPTS:
+    if dev.type != "cuda" or _INTERPRET or os.environ.get("NEMO_FP8RL_KERNEL_TUNE", "1") == "0":
         return _DEFAULT[kind]
     key = (kind, dev.index if dev.index is not None else torch.cuda.current_device())
     if key not in _CHOSEN:
@@ -372,7 +368,7 @@ def cast_transpose_tensorwise(
     ``_tiles``: (BLOCK_R, BLOCK_C, num_warps) of the cast kernel, default the tuned one (:func:`_config`).
     """
     R, C = x.shape
-    fmax, e4m3 = _fmt(fmt)
+    fmax, e4m3, dt = _FMT[fmt]
     dev = x.device
     RT = -(-R // col_pad) * col_pad
     q = torch.empty(R, C, dtype=torch.uint8, device=dev) if write_row else None
@@ -403,7 +399,6 @@ def cast_transpose_tensorwise(
     amax = amax_bits.view(torch.float32).reshape(())
     if stats is not None and not current:
         stats.nonfinite_amax += (~torch.isfinite(amax)).to(torch.int64)
-    dt = torch.float8_e4m3fn if e4m3 else torch.float8_e5m2
     return (q.view(dt) if q is not None else None, qt.view(dt) if qt is not None else None, sinv, amax)
 
 
@@ -494,7 +489,7 @@ def _block_cast_kernel(
 
 
 def _block_common(x: torch.Tensor, fmt: str, pow2: bool, eps: float):
-    fmax, e4m3 = _fmt(fmt)
+    fmax, e4m3, _ = _FMT[fmt]
     return dict(TOP=fmax, EPS=float(eps), INF_CAP=_DTYPE_MAX[x.dtype], POW2=bool(pow2), FMAX=fmax, E4M3=e4m3)
 
 
@@ -545,7 +540,7 @@ def cast_transpose_blockwise(
         ROW_BF16=row_bf16, COL_BF16=col_bf16, STATS=stats is not None, IN_BF16=x.dtype == torch.bfloat16, B=B,
         num_warps=_warps if _warps is not None else _config("block", dev), HW=_HW, **_OPTS,
     )
-    dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    dt = _FMT[fmt][2]
     row_out = col_out = None
     if row:
         row_out = q if row_bf16 else (q.view(dt), sq.t())
@@ -587,7 +582,7 @@ def cast_weight_tiles(
         COL_BF16=transpose_bf16, STATS=stats is not None, IN_BF16=w.dtype == torch.bfloat16, B=B,
         num_warps=_config("block", dev), HW=_HW, **_OPTS,
     )
-    dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    dt = _FMT[fmt][2]
     fwd = (q.view(dt), sq.t())
     bwd = qt if transpose_bf16 else (qt.view(dt), sqt.t())
     return fwd, bwd
