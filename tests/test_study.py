@@ -424,3 +424,42 @@ def test_rollout_accuracy_arms_are_the_explorations_and_the_interval_is_paired()
     d = np.random.default_rng(1).normal(-0.1, 0.3, 200)
     lo, hi = ra.paired_ci(d, 4000, 0)
     assert lo < d.mean() < hi and hi - lo < 0.2
+
+
+def test_rollout_accuracy_variants_compose_and_first_window_reads_the_records(tmp_path):
+    """Issue 41: each FP8 rollout variant is the condition's fp8 arm plus rollout-only overrides that compose
+    and validate (training settings untouched), and the training first-window gap is read from the records."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from nemo_fp8rl.train import CONF_DIR, register_schema
+    from nemo_fp8rl.validation import validate
+
+    sys.path.insert(0, str(RUN_STUDY.parent))
+    import rollout_accuracy as ra
+
+    base = ra.arm_overrides("lr1e-5_easy", "blockwise", "fp8")
+    assert ra.VARIANTS["fp8"] == [] and all(o.startswith("rollout.fp8.") for v in ra.VARIANTS.values() for o in v)
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfgs = {v: validate(OmegaConf.to_object(compose("config", overrides=[*base, *o, f"output_dir={tmp_path}"])))
+                for v, o in ra.VARIANTS.items()}
+    GlobalHydra.instance().clear()
+    ref = cfgs["fp8"]
+    assert ref.rollout.fp8.kv_cache == "off" and ref.fp8.recipe == "blockwise"
+    assert cfgs["fp8_edges"].rollout.fp8.num_layers_at_start_in_bf16 == 1 == cfgs["fp8_edges"].rollout.fp8.num_layers_at_end_in_bf16
+    assert cfgs["fp8_kv"].rollout.fp8.kv_cache == "e4m3" and cfgs["fp8_kv"].rollout.fp8.kv_scales == "calibrated"
+    for cfg in cfgs.values():  # only the rollout engine's FP8 differs
+        assert cfg.fp8 == ref.fp8 and cfg.algorithm == ref.algorithm and cfg.rollout.fp8.scheme == "vllm_w8a8"
+
+    for arm, rewards in (("bf16", [0.5] * 10 + [0.9]), ("fp8", [0.25] + [0.4] * 9 + [0.0])):
+        d = tmp_path / "rec" / arm / "seed11"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward/mean": r}) + "\n"
+                                                 for i, r in enumerate(rewards)))
+    gap = ra.first_window_gap(tmp_path / "rec", 11)
+    assert gap["gap_step0"] == pytest.approx(-0.25)
+    assert gap["gap_first_window"] == pytest.approx((0.25 + 9 * 0.4) / 10 - 0.5)
+    assert ra.first_window_gap(tmp_path / "rec", 12) is None
