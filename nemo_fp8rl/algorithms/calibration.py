@@ -16,6 +16,8 @@ for the FP8 ratios r_t that reproduce BF16's clipping statistics:
   eps_high like eps_low, ``fixed`` keeps 1 + eps_high. See :func:`calibrate_bounds`.
 - guards: L in [lower_min, 1 - eps_low], H in [1 + eps_high, upper_max]; too few tokens keeps the
   previous bounds; EMA smoothing across calibrations (:class:`CalibratedClipping`).
+- pooling (``window``): a calibration may pool the tokens of ``window`` consecutive steps (a round) before
+  it computes the bounds, so that alpha rests on enough negative-advantage tokens to be measured.
 """
 
 from __future__ import annotations
@@ -345,15 +347,24 @@ class CalibratedClipping:
     default. With ``apply=False`` everything is measured and logged but the bounds stay at the initial
     ones (how a fixed-clip FP8 run would have been calibrated).
 
-    Token subset: at most ``max_tokens`` tokens per rank are kept, a uniform random subset of the step's
-    valid tokens (bottom-k of i.i.d. uniform keys, which merges across minibatches). Keys come from a
-    ``torch.Generator`` seeded from (``seed``, step, observe call, rank), so runs and resumes are
-    deterministic; ``seed`` is saved in :meth:`state_dict`.
+    Token subset: at most ``max_tokens`` tokens per rank are kept, a uniform random subset of the round's
+    valid tokens (bottom-k of i.i.d. uniform keys, which merges across minibatches and steps). Keys come
+    from a ``torch.Generator`` seeded from (``seed``, the round's first step, observe call, rank), so runs
+    and resumes are deterministic; ``seed`` is saved in :meth:`state_dict`.
+
+    Rounds (``window`` = w, 1 <= w <= ``interval``): calibration k observes the steps
+    c_k, ..., c_k + w - 1 (c_k = ``start_step`` + k ``interval``; :meth:`should_calibrate` is True on each)
+    and pools their tokens; :meth:`update` computes the bounds once, at the round's last step
+    (:meth:`is_round_end`), and returns ``{}`` (no collective, buffer kept) on its other steps. The bounds
+    apply from step c_k + w. Each pooled token keeps the (r, rho, A) of the step that produced it, so
+    alpha and L* are the same statistics over w steps' tokens. With w = 1 (the default) every call to
+    :meth:`update` calibrates, as before. A round's buffer spans steps, so :meth:`state_dict` saves it
+    (per rank: the trainer checkpoints each rank's state) and a resumed run pools exactly the same tokens.
 
     Config (the names are the Hydra keys): ``eps_low``, ``eps_high``, ``interval`` (20), ``ema`` (0.5),
     ``upper_mode`` ("balance"), ``lower_min`` (0.5), ``upper_max`` (3.0), ``min_tokens`` (64),
     ``max_tokens`` (65536), ``start_step`` (0), ``init_lower``/``init_upper`` (None = nominal),
-    ``apply`` (True), ``seed`` (0).
+    ``apply`` (True), ``window`` (1), ``seed`` (0).
     """
 
     def __init__(
@@ -372,6 +383,7 @@ class CalibratedClipping:
         init_lower: float | None = None,
         init_upper: float | None = None,
         apply: bool = True,
+        window: int = 1,
         seed: int = 0,
     ) -> None:
         self.eps_low, self.eps_high, self.lower_min, self.upper_max = _check_config(
@@ -381,9 +393,13 @@ class CalibratedClipping:
             ("interval", interval, 1),
             ("max_tokens", max_tokens, 1),
             ("start_step", start_step, 0),
+            ("window", window, 1),
         ):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if window > interval:
+            raise ValueError(f"window ({window}) must be <= interval ({interval}): a round pools window "
+                             "consecutive steps of each interval (calibration.window, calibration.interval)")
         if max_tokens < min_tokens:
             raise ValueError(f"max_tokens ({max_tokens}) must be >= min_tokens ({min_tokens})")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -391,6 +407,7 @@ class CalibratedClipping:
         if not isinstance(apply, bool):
             raise ValueError(f"apply must be a bool, got {apply!r}")
         self.interval = interval
+        self.window = window
         self.ema = check_number(
             "ema", ema, low=0.0, high=1.0, hint="ema is the weight of the old bound, in [0, 1]"
         )
@@ -419,8 +436,14 @@ class CalibratedClipping:
 
     # ------------------------------------------------------------------ schedule and bounds
     def should_calibrate(self, step: int) -> bool:
-        """True at ``start_step`` and every ``interval`` steps after it."""
-        return step >= self.start_step and (step - self.start_step) % self.interval == 0
+        """True on the steps a round observes: ``start_step`` + k ``interval`` + j, 0 <= j < ``window``."""
+        return step >= self.start_step and (step - self.start_step) % self.interval < self.window
+
+    def is_round_end(self, step: int) -> bool:
+        """True where :meth:`update` calibrates: always with ``window`` 1, else on a round's last step."""
+        return self.window == 1 or (
+            step >= self.start_step and (step - self.start_step) % self.interval == self.window - 1
+        )
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -428,9 +451,14 @@ class CalibratedClipping:
         return self._lower, self._upper
 
     def _next_step(self) -> int:
+        """First step of the next round (the round an observation without ``step`` belongs to)."""
         base = self.start_step if self._last_step is None else max(self._last_step + 1, self.start_step)
         k = -(-(base - self.start_step) // self.interval)
         return self.start_step + k * self.interval
+
+    def _round_of(self, step: int) -> int:
+        """First step of the round that observes ``step``."""
+        return step - (step - self.start_step) % self.interval if step >= self.start_step else step
 
     # ------------------------------------------------------------------ collecting tokens
     def _reset_buffer(self) -> None:
@@ -455,7 +483,8 @@ class CalibratedClipping:
             ref_ratio: BF16 shadow ratios rho of the same tokens, same shape.
             advantages: same shape, or ``[batch]`` per sequence.
             mask: valid tokens, same shape, or None.
-            step: the training step, for seeding; default: the next scheduled calibration step.
+            step: the training step (its round's first step seeds the keys); default: the next round's
+                first step.
         """
         if not isinstance(ratio, torch.Tensor) or not isinstance(ref_ratio, torch.Tensor):
             raise ValueError("ratio and ref_ratio must be torch.Tensors")
@@ -468,7 +497,10 @@ class CalibratedClipping:
             raise ValueError(f"advantages must have the shape of ratio {tuple(ratio.shape)}")
         m = as_bool_mask(mask, ratio)
         if self._round_step is None:
-            self._round_step = self._next_step() if step is None else int(step)
+            if step is None:
+                self._round_step = self._next_step()
+            else:  # window 1: the step itself (as before rounds existed, whatever step a caller passes)
+                self._round_step = int(step) if self.window == 1 else self._round_of(int(step))
         wd = torch.promote_types(ratio.dtype, torch.float32)
         x = torch.stack([ratio.detach().to(wd), ref_ratio.detach().to(wd), adv.detach().to(wd)]).reshape(
             3, -1
@@ -505,11 +537,15 @@ class CalibratedClipping:
     def update(self, step: int, group=None) -> dict[str, Metric]:
         """Calibrate from the observed tokens (all-gathered over ``group``), smooth, and clear the buffer.
 
-        Every rank of ``group`` must call this. Returns the ``calib/*`` metrics of docs/design.md, "Calibrated Clipping":
+        Every rank of ``group`` must call this. On a step that does not end its round (``window`` > 1) it
+        returns ``{}`` at once: no collective, the pooled tokens stay. Otherwise it returns the ``calib/*``
+        metrics of docs/design.md, "Calibrated Clipping":
         ``calib/{alpha_bf16, alpha_fp8_nominal, false_clip_rate, lower_raw, upper_raw, balance_bf16,
         balance_fp8, balance_fp8_nominal, tokens, skipped}`` (identical on every rank, reduction "mean").
         ``calib/skipped`` is 1 when too few tokens were seen (bounds kept).
         """
+        if not self.is_round_end(int(step)):
+            return {}
         data = self._data
         if data is None:
             device = torch.device("cpu")
@@ -560,7 +596,13 @@ class CalibratedClipping:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """Bounds, schedule position and seed (the token buffer is per step and not saved)."""
+        """Bounds, schedule position, seed and, inside a round of ``window`` > 1 steps, this rank's pooled
+        tokens (``round``: None between rounds; the buffer of a finished step of a window-1 run is empty)."""
+        pooled = None
+        if self._round_step is not None:
+            pooled = {"step": self._round_step, "calls": self._calls,
+                      "data": None if self._data is None else self._data.detach().cpu(),
+                      "keys": None if self._keys is None else self._keys.detach().cpu()}
         return {
             "lower": self._lower,
             "upper": self._upper,
@@ -568,6 +610,7 @@ class CalibratedClipping:
             "last_step": self._last_step,
             "updates": self._updates,
             "seed": self.seed,
+            "round": pooled,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -582,3 +625,31 @@ class CalibratedClipping:
         self._updates = int(state["updates"])
         self.seed = int(state["seed"])
         self._reset_buffer()
+        pooled = state.get("round")  # absent in checkpoints from before calibration.window
+        if pooled is not None:
+            self._round_step, self._calls = int(pooled["step"]), int(pooled["calls"])
+            self._data, self._keys = pooled["data"], pooled["keys"]
+
+    @staticmethod
+    def merge_rounds(states: list[dict], max_tokens: int) -> dict | None:
+        """One round buffer from several ranks' :meth:`state_dict` (a resume on another data-parallel layout):
+        the union of their pooled tokens, cut to the ``max_tokens`` with the smallest keys (a uniform subset,
+        as :meth:`observe` keeps). Pass one state per data-parallel rank (tensor-parallel ranks hold copies).
+        None when no state is inside a round."""
+        rounds = [s.get("round") for s in states if s.get("round") is not None]
+        if not rounds:
+            return None
+        if len({int(r["step"]) for r in rounds}) != 1:
+            raise ValueError(f"the saved ranks are in different calibration rounds {[r['step'] for r in rounds]}; "
+                             "the checkpoint is inconsistent")
+        parts = [r for r in rounds if r["data"] is not None]
+        merged = {"step": int(rounds[0]["step"]), "calls": max(int(r["calls"]) for r in rounds),
+                  "data": None, "keys": None}
+        if parts:
+            data = torch.cat([r["data"] for r in parts], dim=1)
+            keys = torch.cat([r["keys"] for r in parts])
+            if keys.numel() > max_tokens:
+                idx = torch.topk(keys, max_tokens, largest=False).indices.sort().values
+                data, keys = data[:, idx], keys[idx]
+            merged["data"], merged["keys"] = data, keys
+        return merged

@@ -222,7 +222,12 @@ class CalibrationConfig:
     min_tokens: int = 64
     """Fewer negative-advantage tokens than this keeps the previous bounds."""
     max_tokens: int = 65536
-    """Random subset of tokens kept per rank per calibration."""
+    """Random subset of tokens kept per rank per calibration (over its whole round, see ``window``)."""
+    window: int = 1
+    """Steps pooled per calibration (1 <= window <= interval): the calibration at step c observes steps c to
+    c + window - 1 (shadow forwards on each) and computes the bounds once from their tokens, at the last; they
+    apply from step c + window. > 1 when one step's batch holds too few negative-advantage tokens for BF16's
+    clip share to be measured (``calib/tokens``); costs window x the shadow forwards per interval."""
     start_step: int = 0
     """First calibration step."""
     init_lower: Optional[float] = None
@@ -548,6 +553,9 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
 
     if c.interval < 1:
         raise ConfigError(f"calibration.interval={c.interval} must be >= 1")
+    if not (isinstance(c.window, int) and not isinstance(c.window, bool) and 1 <= c.window <= c.interval):
+        raise ConfigError(f"calibration.window={c.window!r} must be an integer in [1, calibration.interval = "
+                          f"{c.interval}]: a calibration pools the first `window` steps of each interval")
     if not 0.0 <= c.ema < 1.0:
         raise ConfigError(f"calibration.ema={c.ema} must be in [0, 1)")
     if not 0.0 < c.lower_min <= 1.0 - a.eps_low:

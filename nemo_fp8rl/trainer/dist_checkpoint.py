@@ -158,7 +158,7 @@ def dist_write_error(d: Path, e: BaseException) -> str:
     # megatron's writer reports an OSError (disk full) as torch's CheckpointException, a BaseException
     if isinstance(e, (KeyboardInterrupt, SystemExit)):
         raise e
-    return f"writing {d} failed: {getattr(e, 'strerror', None) or str(e).splitlines()[-1][:500]}"
+    return f"writing {d} failed: {getattr(e, 'strerror', None) or (str(e).splitlines() or [type(e).__name__])[-1][:500]}"
 
 
 def hash_dist_files(tmp: Path) -> list:

@@ -153,7 +153,7 @@ class RLTrainer:
                 eps_low=a.eps_low, eps_high=a.eps_high, interval=c.interval, ema=c.ema, upper_mode=c.upper_mode,
                 lower_min=c.lower_min, upper_max=c.upper_max, min_tokens=c.min_tokens, max_tokens=c.max_tokens,
                 start_step=c.start_step, init_lower=c.init_lower, init_upper=c.init_upper, apply=c.apply,
-                seed=cfg.seed,
+                window=c.window, seed=cfg.seed,
             )
         self.calibration = make_calibration_pass(self.calibrator, self.actor, cfg.rollout.temperature)
         self.monitor = EntropySurgeMonitor(window=cfg.stability.window, factor=cfg.stability.surge_factor,
@@ -660,6 +660,7 @@ class RLTrainer:
         # continues the saved data position from every saved DP rank's state (a dataset task: the saved
         # epoch, resharded); the trainer's streams are re-seeded from (seed, DP rank, resumed step).
         self._restore_run_state(states[0], per_rank=False)
+        self._merge_calibration_round(states)
         step = self.step_idx
         by_dp = {}
         for s in states:
@@ -678,6 +679,26 @@ class RLTrainer:
             "monitor and counters restored; DP rank %d's rollout sampling, minibatch order and CPU RNG re-seeded "
             "from (seed=%d, dp_rank=%d, step=%d) (reshard_seed: not the run's opening streams); %s",
             st.step, old_dp, a.dp_size, a.dp_rank, self.cfg.seed, a.dp_rank, step, task_note)
+
+    def _merge_calibration_round(self, states: list) -> None:
+        """Resume on another DP size inside a calibration round (``calibration.window`` > 1): the tokens
+        every saved DP rank pooled so far (one state per DP rank; TP ranks and, after the pipeline broadcast,
+        PP stages hold copies) go to the new DP rank 0, cut to ``max_tokens``; the others continue the round
+        with none. The round's all-gather then sees the same tokens as the uninterrupted run (minus any cut)."""
+        if self.calibrator is None:
+            return
+        by_dp = {}
+        for s in states:
+            if (s.get("calibrator") or {}).get("round") is not None:
+                by_dp.setdefault(int(s["dp_rank"]), s["calibrator"])
+        merged = CalibratedClipping.merge_rounds(list(by_dp.values()), self.calibrator.max_tokens)
+        if merged is None:
+            return
+        if self.actor.dp_rank != 0:
+            merged = {**merged, "data": None, "keys": None}
+        state = self.calibrator.state_dict()
+        state["round"] = merged
+        self.calibrator.load_state_dict(state)
 
     def _restore_run_state(self, st: dict, per_rank: bool) -> None:
         """Shared state (step, calibration, monitor, counters); with ``per_rank`` also this DP rank's

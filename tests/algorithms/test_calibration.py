@@ -399,6 +399,85 @@ def test_state_dict_resume_is_exact():
         b.load_state_dict({"lower": 0.8})
 
 
+def test_window_pools_consecutive_steps_and_calibrates_at_the_round_end():
+    """calibration.window: the round c..c+w-1 is observed (shadow passes on each step), update() is a no-op
+    ({} and the tokens kept) until its last step, which calibrates on the pooled tokens exactly as one step
+    holding them all would; the bounds apply from c + w."""
+    kw = {"eps_low": EPS_L, "eps_high": EPS_H, "min_tokens": 16}
+    c = CalibratedClipping(interval=5, window=3, **kw)
+    assert [s for s in range(12) if c.should_calibrate(s)] == [0, 1, 2, 5, 6, 7, 10, 11]
+    assert [s for s in range(12) if c.is_round_end(s)] == [2, 7]
+    pooled = []
+    for step in (0, 1):
+        data = step_data(200 + step)
+        pooled += data
+        for mb in data:
+            c.observe(*mb, step=step)
+        assert c.update(step) == {} and c.bounds == pytest.approx((L0, H0))
+    data = step_data(202)
+    pooled += data
+    for mb in data:
+        c.observe(*mb, step=2)
+    m = metrics_to_floats(c.update(2))
+    ref = calibrate_bounds(*_flat_concat(pooled), **kw)
+    assert m["calib/tokens"] == ref.tokens > metrics_to_floats(_one_step(202, kw))["calib/tokens"]
+    assert m["calib/alpha_bf16"] == pytest.approx(ref.alpha_bf16)
+    assert c.bounds == pytest.approx((ref.lower, ref.upper))
+    assert c.state_dict()["round"] is None  # the buffer was spent
+    # window 1 is the controller without rounds: every update() calibrates, whatever the step
+    one = CalibratedClipping(**kw)
+    assert all(one.is_round_end(s) for s in range(7))
+
+
+def _one_step(seed, kw):
+    c = CalibratedClipping(**kw)
+    for mb in step_data(seed):
+        c.observe(*mb)
+    return c.update(0)
+
+
+def test_window_resume_inside_a_round_is_exact_and_merges_on_another_layout():
+    """A round's pooled tokens are part of state_dict: a controller restored at any step of a round ends it
+    with the bounds of the uninterrupted one. merge_rounds joins several ranks' buffers (another DP size)
+    into the subset one rank holding all their tokens would have kept."""
+    kw = {"eps_low": EPS_L, "eps_high": EPS_H, "interval": 4, "window": 3, "max_tokens": 120, "min_tokens": 8,
+          "seed": 5}
+    steps = [(s, step_data(300 + s)) for s in range(12) if s % 4 < 3]
+
+    def go(c, items):
+        out = []
+        for s, data in items:
+            for mb in data:
+                c.observe(*mb, step=s)
+            out.append((dict(metrics_to_floats(c.update(s))), c.bounds))
+        return out
+
+    full = go(CalibratedClipping(**kw), steps)
+    for cut in range(1, len(steps)):
+        a = CalibratedClipping(**kw)
+        first = go(a, steps[:cut])
+        b = CalibratedClipping(**kw)
+        b.load_state_dict(a.state_dict())
+        assert first + go(b, steps[cut:]) == full, cut
+    old = {k: v for k, v in CalibratedClipping(**kw).state_dict().items() if k != "round"}
+    CalibratedClipping(**kw).load_state_dict(old)  # a checkpoint from before rounds existed
+
+    ranks = [CalibratedClipping(**kw) for _ in range(2)]
+    for i, c in enumerate(ranks):
+        for mb in step_data(400 + i, n_mb=3):
+            c.observe(*mb, step=1)
+    merged = CalibratedClipping.merge_rounds([c.state_dict() for c in ranks], max_tokens=kw["max_tokens"])
+    union = torch.cat([c._data for c in ranks], 1)
+    keys = torch.cat([c._keys for c in ranks])
+    keep = torch.topk(keys, kw["max_tokens"], largest=False).indices.sort().values
+    assert merged["step"] == 0 and torch.equal(merged["data"], union[:, keep])
+    assert CalibratedClipping.merge_rounds([CalibratedClipping(**kw).state_dict()], 10) is None
+    late = CalibratedClipping(**kw)
+    late.observe(*step_data(401)[0], step=5)
+    with pytest.raises(ValueError, match="different calibration rounds"):
+        CalibratedClipping.merge_rounds([ranks[0].state_dict(), late.state_dict()], 100)
+
+
 def test_controller_config_errors():
     with pytest.raises(ValueError, match="interval"):
         CalibratedClipping(eps_low=0.2, eps_high=0.2, interval=0)
@@ -410,6 +489,10 @@ def test_controller_config_errors():
         CalibratedClipping(eps_low=0.2, eps_high=0.2, init_lower=1.2)
     with pytest.raises(ValueError, match="upper_mode"):
         CalibratedClipping(eps_low=0.2, eps_high=0.2, upper_mode="nope")
+    with pytest.raises(ValueError, match=r"window \(6\) must be <= interval \(5\)"):
+        CalibratedClipping(eps_low=0.2, eps_high=0.2, interval=5, window=6)
+    with pytest.raises(ValueError, match="window"):
+        CalibratedClipping(eps_low=0.2, eps_high=0.2, window=0)
     c = CalibratedClipping(eps_low=0.2, eps_high=0.2)
     with pytest.raises(ValueError, match="advantages"):
         c.observe(torch.ones(2, 3), torch.ones(2, 3), torch.ones(3))

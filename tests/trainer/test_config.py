@@ -35,6 +35,7 @@ def cfg_with(**changes):
     ({"calibration__enabled": True}, "calibration is on but training FP8 is off"),
     ({"calibration__upper_mode": "up"}, "calibration.upper_mode"),
     ({"calibration__lower_min": 0.9}, "calibration.lower_min=0.9"),
+    ({"calibration__interval": 4, "calibration__window": 5}, "calibration.window=5 must be an integer in [1, calibration.interval = 4]"),
     ({"parallel__tensor_model_parallel_size": 3}, "must divide model.num_attention_heads=4"),
     ({"parallel__pipeline_model_parallel_size": 2}, "must divide model.num_layers=3"),
     ({"model__num_query_groups": 3}, "multiple of model.num_query_groups=3"),
