@@ -117,6 +117,90 @@ def gap_seen_with_power(diffs: list[float], power: float = 0.8) -> float | None:
     return statistics.stdev(diffs) * z
 
 
+def seeds_for_gap(sd: float, gap: float, power: float = 0.8, max_seeds: int = 60, sims: int = 2000,
+                  boot: int = 1000, seed: int = 0) -> int | None:
+    """Issue 41 item 7: the fewest seeds k with which the paired comparison's 95% percentile bootstrap
+    interval (over seeds) lies on the gap's side of 0 with probability >= ``power`` when the true gap is
+    ``gap``, each seed's difference Normal(gap, sd^2), independent. Estimated by simulation (``sims``
+    experiments of k seeds, ``boot`` resamples each, one numpy generator seeded ``seed``):
+
+        power(k) = P( percentile_2.5( mean of k draws resampled from d_1..d_k ) > 0 ),  d_i ~ N(gap, sd^2)
+
+    The search starts at 3 seeds (the protocol's least). For k = 3 this is the sign rule of
+    :func:`gap_seen_with_power` (Phi(gap / sd)^3). ``None`` when even ``max_seeds`` seeds fall short. sd is itself estimated from a few seeds: read k as an order of magnitude."""
+    import numpy as np
+
+    if sd <= 0:
+        return 3
+    rng = np.random.default_rng(seed)
+    for k in range(3, max_seeds + 1):
+        d = rng.normal(gap, sd, size=(sims, k)).astype(np.float32)
+        idx = rng.integers(0, k, size=(boot, k))
+        lo = np.empty(sims, dtype=np.float32)
+        for start in range(0, sims, 250):  # [250, boot, k] at a time: bounded memory
+            means = d[start:start + 250][:, idx].mean(axis=2)
+            lo[start:start + 250] = np.percentile(means, 2.5, axis=1)
+        if float((lo > 0).mean()) >= power:
+            return k
+    return None
+
+
+def calibration_batch_stats(recs: list[dict], lower_min: float = 0.5, nominal_lower: float = 0.8) -> dict:
+    """Issue 41 item 3: how well one run's calibrations measured BF16's clip share, and where its lower
+    bound sat. Over its calibrations (steps with ``calib/tokens``, skipped ones counted apart):
+
+    * ``tokens``: median and range of ``calib/tokens`` (non-zero-advantage tokens per calibration);
+    * ``alpha_zero``: the share of calibrations where BF16 clipped no negative token (``calib/alpha_bf16`` 0:
+      then L* is the lowest FP8 ratio, a guess, not a measurement);
+    * ``raw_below_guard``: the share with ``calib/lower_raw`` < ``lower_min`` (the guard, not the match,
+      sets the bound); ``raw`` median and range of ``calib/lower_raw``;
+    * ``lower_at_guard``: the share of steps whose ``clip/lower`` in force equals ``lower_min`` (after the
+      first calibration), its median and range; the same medians of ``clip/upper`` (issue 41's fixed window
+      of ``fp8_fixed_wide`` is (median lower, median upper) of the exploration seed's calibrated run)."""
+    import numpy as np
+
+    cal = [r for r in recs if "calib/tokens" in r]
+    done = [r for r in cal if not r.get("calib/skipped", 0)]
+    raw = [r["calib/lower_raw"] for r in done if r.get("calib/lower_raw") is not None]
+    first = min((r["step"] for r in done), default=None)
+    after = [r for r in recs if first is not None and r["step"] > first and "clip/lower" in r]
+    lows = [r["clip/lower"] for r in after]
+    ups = [r["clip/upper"] for r in after]
+
+    def med(xs):
+        return None if not xs else float(np.median(xs))
+
+    return {
+        "calibrations": len(cal), "skipped": len(cal) - len(done),
+        "tokens_median": med([r["calib/tokens"] for r in done]),
+        "tokens_min": min((r["calib/tokens"] for r in done), default=None),
+        "tokens_max": max((r["calib/tokens"] for r in done), default=None),
+        "alpha_zero": None if not done else sum(1 for r in done if r.get("calib/alpha_bf16") == 0) / len(done),
+        "alpha_median": med([r["calib/alpha_bf16"] for r in done if r.get("calib/alpha_bf16") is not None]),
+        "raw_below_guard": None if not raw else sum(1 for x in raw if x < lower_min) / len(raw),
+        "raw_median": med(raw), "raw_min": min(raw, default=None), "raw_max": max(raw, default=None),
+        "lower_at_guard": None if not lows else sum(1 for x in lows if abs(x - lower_min) < 1e-9) / len(lows),
+        "lower_median": med(lows), "lower_min": min(lows, default=None), "lower_max": max(lows, default=None),
+        "upper_median": med(ups),
+    }
+
+
+def calibration_batch_table(rows: list[tuple[str, dict]]) -> str:
+    """``rows``: (run name, :func:`calibration_batch_stats`)."""
+    out = ["| run | calibrations (skipped) | tokens per calibration, median [range] | alpha_bf16 = 0 | "
+           "alpha_bf16 median | lower_raw < guard | lower_raw median [range] | lower in force at guard | "
+           "lower in force median [range] | upper in force median |",
+           "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- | ---: |"]
+    for name, s in rows:
+        out.append(
+            f"| {name} | {s['calibrations']} ({s['skipped']}) | {_f(s['tokens_median'], '.0f')} "
+            f"[{_f(s['tokens_min'], '.0f')}, {_f(s['tokens_max'], '.0f')}] | {_f(s['alpha_zero'], '.2f')} | "
+            f"{_f(s['alpha_median'])} | {_f(s['raw_below_guard'], '.2f')} | {_f(s['raw_median'])} "
+            f"[{_f(s['raw_min'])}, {_f(s['raw_max'])}] | {_f(s['lower_at_guard'], '.2f')} | "
+            f"{_f(s['lower_median'])} [{_f(s['lower_min'])}, {_f(s['lower_max'])}] | {_f(s['upper_median'])} |")
+    return "\n".join(out)
+
+
 def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
     """``rows``: (point, its overrides, run_stats, planned steps)."""
     out = [("| point | overrides | steps | reward first 10 | last 10 | gain | accuracy first 10 | last 10 | "

@@ -296,6 +296,44 @@ EXPLORE = {
 the condition's BF16 reference too."""
 FP8_KEYS = ("fp8", "rollout.fp8")
 
+# ------------------------------------------------------------------ issue 41: tracking vs a fixed window
+TRACK_CALIB = ["calibration.interval=5", "calibration.window=5"]
+"""Calibration of issue 41's arms: every step is observed (shadow forwards on each), and the bounds are
+recomputed every 5 steps from the 5 steps' pooled tokens (``calibration.window``): about 5x the 32-213
+non-zero-advantage tokens of one step of this batch, so alpha is measured rather than 0 (docs/design.md,
+"Rounds"). The same interval for the measuring arms, so every arm logs ``calib/*`` on the same steps."""
+TRACK_STOP = ['rollout.stop=["</answer>"]']
+"""Issue 41 item 6: responses end at the closing answer tag (no text after the answer to score)."""
+TRACK_ARMS = {
+    "bf16": ["fp8=off", "calibration=measure", *TRACK_CALIB],
+    "fp8": ["calibration=measure", *TRACK_CALIB],
+    "fp8_calibrated": ["calibration=paper", *TRACK_CALIB],
+    # fixed clip at calibration's own median bounds on the exploration seed (TRACK_WIDE); planned once known
+    "fp8_fixed_wide": ["calibration=measure", *TRACK_CALIB, "algorithm.eps_low={wide_eps_low}",
+                       "algorithm.eps_high={wide_eps_high}"],
+    # what verl / NeMo RL users switch on today: the trainer's own FP8 forward as pi_old before the update, and
+    # token-level TIS (C = 2) on pi_old / pi_rollout; fixed clip
+    "fp8_recompute_tis": ["calibration=measure", *TRACK_CALIB, "algorithm.old_logprobs=recompute",
+                          "algorithm.rollout_correction=tis", "algorithm.tis_cap=2.0"],
+}
+"""Issue 41's arms (the FP8 recipe comes from the candidate); docs/results.md, "Tracking vs a fixed window"."""
+TRACK_CANDIDATES = {
+    # lr1e-5_easy (the confirmed regime) run twice as long: the entropy falls towards 0.02 by step 100
+    "long200": {"regime": "lr1e-5_easy", "extra": ["fp8=blockwise"], "steps": 200},
+    # a higher learning rate: a wide fixed window lets through updates BF16's quantile would clip
+    "2xlr": {"regime": "lr1e-5_easy", "extra": ["fp8=blockwise", "optim.lr=2e-05"], "steps": 100},
+    # larger FP8 noise (E5M2 forward), the exploration's noisiest qualifying condition
+    "e5m2": {"regime": "lr1e-5_easy", "extra": ["fp8=tensorwise", "fp8.fp8_format=e5m2"], "steps": 100},
+}
+"""Issue 41's candidate regimes, explored on seed 1 (:data:`EXPLORE_SEED`): a candidate's non-FP8 overrides
+apply to its BF16 reference too (as :data:`EXPLORE`'s)."""
+TRACK_WIDE: dict[str, tuple[float, float]] = {}
+"""Per candidate, the fixed window (lower, upper) of its ``fp8_fixed_wide`` arm: the medians over steps of
+``clip/lower`` and ``clip/upper`` in force in its seed-1 ``fp8_calibrated`` run (after the first round), filled
+in by hand once that run has finished (``--stage track --report`` prints them). Until then the arm is not
+planned."""
+TRACK_ARM_ORDER = ("bf16", "fp8", "fp8_calibrated", "fp8_recompute_tis", "fp8_fixed_wide")
+
 
 def _last(overrides: list[str], key: str, default: str | None = None) -> str | None:
     """The value the last override of ``key`` sets (Hydra: the later override wins), else ``default``."""
@@ -327,6 +365,23 @@ def stage_runs(args) -> list[dict]:
         return dict(group=args.stage, name=f"{name}/seed{seed}", seed=seed, steps=steps, arm=arm,
                     checkpoint_interval=ckpt, overrides=overrides)
 
+    if args.stage == "track":
+        runs = []
+        for cand in _select(args.candidates, TRACK_CANDIDATES):
+            c = TRACK_CANDIDATES[cand]
+            regime = [*PROTOCOL_BASE, *SWEEP[c["regime"]], *TRACK_STOP]
+            extra = list(c["extra"])
+            shared = [o for o in extra if not o.startswith(FP8_KEYS)]
+            for arm in TRACK_ARM_ORDER:
+                ov = [o for o in TRACK_ARMS[arm]]
+                if arm == "fp8_fixed_wide":
+                    if cand not in TRACK_WIDE:
+                        continue
+                    lo, hi = TRACK_WIDE[cand]
+                    ov = [o.format(wide_eps_low=f"{1 - lo:g}", wide_eps_high=f"{hi - 1:g}") for o in ov]
+                runs.append(run(f"{cand}/{arm}", EXPLORE_SEED, c["steps"], arm,
+                                [*regime, *(shared if arm == "bf16" else extra), *ov]))
+        return runs
     if args.stage == "sweep":
         return [run(p, SWEEP_SEED, args.sweep_steps, "bf16", [*PROTOCOL_BASE, *SWEEP[p], *PROTOCOL_ARMS["bf16"]])
                 for p in _select(args.points, SWEEP)]
@@ -378,7 +433,7 @@ def stage_runs(args) -> list[dict]:
         return [run(f"{args.regime}/{cond[0]}/{arm}", seed, args.confirm_steps, arm,
                     [*regime, *(shared if arm == "bf16" else extra), *PROTOCOL_ARMS[arm]])
                 for seed, arm in order]
-    raise SystemExit(f"--stage {args.stage!r}: choose sweep, explore or confirm")
+    raise SystemExit(f"--stage {args.stage!r}: choose sweep, explore, confirm or track")
 
 
 # ------------------------------------------------------------------ run state: done / resume / restart
@@ -749,6 +804,14 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
     table = protocol_report.arms_table([(r["name"], s, r["steps"]) for r, s in zip(runs, stats)])
     if stage == "explore":
         return table
+    # issue 41 item 3: how each calibrated run's calibrations measured, and where its bounds sat
+    calibrated = [(r["name"], protocol_report.calibration_batch_stats(m)) for r, m in zip(runs, recs)
+                  if r["arm"].startswith("fp8_calibrated") and m]
+    if calibrated:
+        table += ("\n\nCalibration batches of the calibrated runs (protocol_report.calibration_batch_stats):\n\n"
+                  + protocol_report.calibration_batch_table(calibrated))
+    if stage == "track":
+        return table
     last10: dict[str, dict[int, float]] = {}
     every: dict[str, dict[int, float]] = {}
     by_arm: dict[str, list[dict]] = {}
@@ -802,12 +865,13 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Hydra overrides appended to every run's own (e.g. a smaller warm-up for a smoke test)")
     p = ap.add_argument_group("issue 28's protocol")
-    p.add_argument("--stage", choices=["sweep", "explore", "confirm"],
+    p.add_argument("--stage", choices=["sweep", "explore", "confirm", "track"],
                    help="a stage of the protocol instead of --only's groups")
     p.add_argument("--points", default="", help="sweep: comma-separated points of SWEEP (default: all)")
     p.add_argument("--regime", default="", help="explore, confirm: the sweep point the FP8 arms run in")
     p.add_argument("--conditions", default="", help="explore: comma-separated conditions of EXPLORE (default: all)")
     p.add_argument("--condition", default="", help="confirm: the exploration's chosen condition")
+    p.add_argument("--candidates", default="", help="track (issue 41): comma-separated TRACK_CANDIDATES (default: all)")
     p.add_argument("--confirm-seeds", default="11,12,13",
                    help="confirm: fresh seeds (never the sweep's or the exploration's)")
     p.add_argument("--sweep-steps", type=int, default=100)
