@@ -49,6 +49,7 @@ from nemo_fp8rl.models.hf_weights import (
     hf_names,
     init_hf_state_dict,
     iter_stage_hf,
+    stage_hf_manifest,
     load_stage_hf,
     stage_hf_names,
 )
@@ -513,36 +514,44 @@ class FP8Actor:
         }
 
     # ------------------------------------------------------------------ weights
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full model in Hugging Face naming, one tensor at a time: ``(name, float32 CPU tensor)``
-        on every rank, stage by stage (embedding, layers in order, final norm, head).
+    def iter_weights(self, device: "str | torch.device" = "cpu",
+                     dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full model in Hugging Face naming, one tensor at a time: ``(name, tensor)`` on ``device`` in
+        ``dtype`` (float32 on the CPU by default: file writers, the vLLM sync) on every rank, stage by stage
+        (embedding, layers in order, final norm, head). A colocated rollout engine asks for its own device
+        and dtype (the GPU, BF16): no host round trip and no float32 copy.
 
-        Each tensor is TP-gathered by its stage's ranks and broadcast over the pipeline group when it is
-        reached, so the extra memory is one tensor (and its TP parts), whatever the number of layers,
-        as long as the consumer does not keep them (the rollout engine's weight sync or a file writer).
+        Each tensor is TP-gathered by its stage's ranks and, with pipeline stages, broadcast over the
+        pipeline group in ``dtype`` when it is reached, so the extra memory is one tensor (and its TP
+        parts), whatever the number of layers, as long as the consumer does not keep them. Each stage's
+        list of names and shapes (:func:`~nemo_fp8rl.models.hf_weights.stage_hf_manifest`) is broadcast
+        once, before its tensors: one host synchronisation per stage, none per tensor.
         Collective: every rank of the job must iterate it to the end, in step.
         """
+        device = torch.device(device)
         tp_group = self.tp_group if self.tp_size > 1 else None
         if self.pp_size == 1:
-            yield from iter_stage_hf(self.model, self.model_cfg, tp_group)
+            yield from iter_stage_hf(self.model, self.model_cfg, tp_group, device=device, dtype=dtype)
             return
-        ranks = dist.get_process_group_ranks(self.pp_group)
-        for s, src in enumerate(ranks):
-            mine = iter_stage_hf(self.model, self.model_cfg, tp_group) if s == self.pp_rank else None
-            while True:
-                item = next(mine, None) if mine is not None else None
-                meta = [(item[0], tuple(item[1].shape)) if item is not None else None]
-                dist.broadcast_object_list(meta, src=src, group=self.pp_group)
-                if meta[0] is None:
-                    break
-                name, shape = meta[0]
-                if item is not None:
-                    t = item[1].to(self.device)
+        comm = torch.device(self.device)  # where the pipeline group's backend moves tensors
+        for s, src in enumerate(dist.get_process_group_ranks(self.pp_group)):
+            mine = s == self.pp_rank
+            manifest = [stage_hf_manifest(self.model, self.model_cfg) if mine else None]
+            dist.broadcast_object_list(manifest, src=src, group=self.pp_group)
+            stream = iter_stage_hf(self.model, self.model_cfg, tp_group, device=comm, dtype=dtype) if mine else None
+            for name, shape in manifest[0]:
+                if stream is not None:
+                    got, t = next(stream)
+                    if got != name or tuple(t.shape) != tuple(shape):
+                        raise RuntimeError(f"pipeline stage {s}'s weight stream sent {got} {tuple(t.shape)} where "
+                                           f"its manifest says {name} {tuple(shape)}")
                 else:
-                    t = torch.empty(shape, dtype=torch.float32, device=self.device)
+                    t = torch.empty(shape, dtype=dtype, device=comm)
                 dist.broadcast(t, src=src, group=self.pp_group)
-                yield name, t.cpu()
-                del item, t
+                yield name, t if t.device == device else t.to(device)
+                del t
+            if stream is not None and next(stream, None) is not None:
+                raise RuntimeError(f"pipeline stage {s}'s weight stream has more tensors than its manifest")
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full model in Hugging Face Llama/Qwen naming (TP-gathered, all PP stages), float32 CPU, on

@@ -342,6 +342,26 @@ def stage_hf_names(model, cfg: ModelConfig) -> list[str]:
                     final=getattr(model, "post_process", False))
 
 
+def stage_hf_manifest(model, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """``[(name, shape)]`` of the full (TP-gathered) HF tensors :func:`iter_stage_hf` yields for this
+    pipeline stage, in the order it yields them, from the model's structure alone (no gather, no
+    collective): the same walk over the stage's layers and roles, shapes from :func:`hf_shape`."""
+    out = []
+    if getattr(model, "pre_process", False):
+        out.append("model.embed_tokens.weight")
+    for layer in model.decoder.layers:
+        prefix = f"model.layers.{layer.layer_number - 1}."
+        for role, t in _layer_tensors(layer).items():
+            if t is not None:
+                out += _hf_keys_for(role, prefix, cfg)
+    if getattr(model, "post_process", False):
+        out.append("model.norm.weight")
+        if getattr(model.decoder.final_layernorm, "bias", None) is not None:
+            out.append("model.norm.bias")
+        out.append("lm_head.weight")
+    return [(n, hf_shape(cfg, n)) for n in out]
+
+
 @torch.no_grad()
 def load_stage_hf(model, cfg: ModelConfig, hf: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> None:
     """Copy this rank's shard of the HF tensors into the megatron stage (inverse of export).
@@ -419,6 +439,7 @@ __all__ = [
     "init_hf_state_dict",
     "export_stage_hf",
     "iter_stage_hf",
+    "stage_hf_manifest",
     "stage_hf_names",
     "load_stage_hf",
 ]

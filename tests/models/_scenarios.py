@@ -67,6 +67,8 @@ def run_actor(model_kw: dict, parallel_kw: dict, *, fp8: str | None = None, step
         out["metrics"].append(metrics_to_floats(m))
         out["logprobs"].append(actor.get_logprobs(batch["tokens"])[0])
     out["final"] = actor.export_weights()
+    # the colocated-engine sync's stream: BF16, across pipeline stages too (one manifest per stage)
+    out["stream_bf16"] = dict(actor.iter_weights(dtype=torch.bfloat16))
     out["layout"] = (actor.tp_size, actor.pp_size, actor.dp_size, actor.dp_rank)
     out["optimizer_bytes"] = actor.optimizer_state_bytes()
     return out

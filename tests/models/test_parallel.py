@@ -105,3 +105,28 @@ def test_vocab_parallel_logprobs_two_ranks(runs):
         torch.testing.assert_close(vp["lp"], lp.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(vp["ent"], ent.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(vp["grad"], full.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_weight_stream_is_the_export_in_bf16_on_every_layout(runs):
+    """``iter_weights(dtype=bf16)`` (the colocated engine's sync, pipeline stages included: one manifest
+    broadcast per stage, then the tensors in BF16) is the float32 export rounded to BF16, name for name, on
+    every rank; and so in the references."""
+    refs, ranks = runs
+    for out in [*refs.values(), *(res[name] for res in ranks for name in S.LAYOUTS)]:
+        stream, full = out["stream_bf16"], out["final"]
+        assert set(stream) <= set(full) and set(full) - set(stream) <= {"lm_head.weight"}  # tied: one copy
+        for k, t in stream.items():
+            assert t.dtype == torch.bfloat16 and torch.equal(t, full[k].to(torch.bfloat16)), k
+
+
+def test_stage_manifest_is_what_the_stage_stream_yields():
+    """stage_hf_manifest (names and shapes from the structure, no collective) lists exactly what
+    iter_stage_hf yields, in order, for the model variants the exports cover."""
+    from nemo_fp8rl.config.model import ModelConfig, ParallelConfig
+    from nemo_fp8rl.models import build_actor
+    from nemo_fp8rl.models.hf_weights import iter_stage_hf, stage_hf_manifest
+
+    for kw in (dict(vocab_size=19, qk_layernorm=True, untie_embeddings_and_output_weights=False), S.CFG_A, S.CFG_B):
+        actor = build_actor(ModelConfig(**kw), ParallelConfig(), seed=0, lr=1e-4, device="cpu")
+        got = [(n, tuple(t.shape)) for n, t in iter_stage_hf(actor.model, actor.model_cfg, None)]
+        assert stage_hf_manifest(actor.model, actor.model_cfg) == got, kw
