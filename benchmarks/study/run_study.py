@@ -311,6 +311,9 @@ TRACK_ARMS = {
     # fixed clip at calibration's own median bounds on the exploration seed (TRACK_WIDE); planned once known
     "fp8_fixed_wide": ["calibration=measure", *TRACK_CALIB, "algorithm.eps_low={wide_eps_low}",
                        "algorithm.eps_high={wide_eps_high}"],
+    # added 2026-12-04 20:30 after the pooled seed-1 run (docs/results.md): the measured L* lies at 0.006-0.075,
+    # so with lower_min 0.5 the guard, not the match, sets the bound; this arm lets the match set it
+    "fp8_calibrated_low": ["calibration=paper", *TRACK_CALIB, "calibration.lower_min=0.01"],
     # what verl / NeMo RL users switch on today: the trainer's own FP8 forward as pi_old before the update, and
     # token-level TIS (C = 2) on pi_old / pi_rollout; fixed clip
     "fp8_recompute_tis": ["calibration=measure", *TRACK_CALIB, "algorithm.old_logprobs=recompute",
@@ -332,7 +335,7 @@ TRACK_WIDE: dict[str, tuple[float, float]] = {}
 ``clip/lower`` and ``clip/upper`` in force in its seed-1 ``fp8_calibrated`` run (after the first round), filled
 in by hand once that run has finished (``--stage track --report`` prints them). Until then the arm is not
 planned."""
-TRACK_ARM_ORDER = ("bf16", "fp8", "fp8_calibrated", "fp8_recompute_tis", "fp8_fixed_wide")
+TRACK_ARM_ORDER = ("bf16", "fp8", "fp8_calibrated", "fp8_recompute_tis", "fp8_calibrated_low", "fp8_fixed_wide")
 
 
 def _last(overrides: list[str], key: str, default: str | None = None) -> str | None:
