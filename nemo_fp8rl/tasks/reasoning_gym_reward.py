@@ -13,12 +13,25 @@ import math
 import re
 from typing import Any
 
-__all__ = ["extract_answer", "reasoning_gym_reward"]
+__all__ = ["extract_answer", "reasoning_gym_reward", "trailing_text"]
 
 
 @functools.lru_cache(maxsize=64)
 def _tag_pattern(tag: str) -> re.Pattern[str]:
     return re.compile(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", re.DOTALL)
+
+
+def _final_answer(text: str, tag: str) -> tuple[str, int | None] | None:
+    """The final answer of :func:`extract_answer` and where its closing ``</tag>`` ends (None for an
+    unclosed last tag); None when there is no answer."""
+    closed = [(m.group(1).strip(), m.end()) for m in _tag_pattern(tag).finditer(text)]
+    found: list[tuple[str, int | None]] = [(a, end) for a, end in closed if a]
+    last_open = text.rfind(f"<{tag}>")
+    if last_open >= 0 and text.find(f"</{tag}>", last_open) < 0:  # unclosed last tag
+        rest = re.split(r"[<\n]", text[last_open + len(tag) + 2:], maxsplit=1)[0].strip()
+        if rest:
+            found.append((rest, None))
+    return found[-1] if found else None
 
 
 def extract_answer(text: str, tag: str = "answer") -> str | None:
@@ -28,14 +41,16 @@ def extract_answer(text: str, tag: str = "answer") -> str | None:
     ``</tag}``) counts up to the first ``<`` or line break after it. None when neither gives a
     non-empty answer (an unparseable response).
     """
-    found = [m.strip() for m in _tag_pattern(tag).findall(text)]
-    found = [m for m in found if m]
-    last_open = text.rfind(f"<{tag}>")
-    if last_open >= 0 and text.find(f"</{tag}>", last_open) < 0:  # unclosed last tag
-        rest = re.split(r"[<\n]", text[last_open + len(tag) + 2:], maxsplit=1)[0].strip()
-        if rest:
-            found.append(rest)
-    return found[-1] if found else None
+    final = _final_answer(text, tag)
+    return None if final is None else final[0]
+
+
+def trailing_text(text: str, tag: str = "answer") -> bool:
+    """Whether non-whitespace text follows the closing ``</tag>`` of the response's final answer (the pair
+    :func:`extract_answer` reads): a sample that ran on past its answer. False without an answer, and for
+    a final answer in an unclosed tag (it has no closing tag)."""
+    final = _final_answer(text, tag)
+    return final is not None and final[1] is not None and bool(text[final[1]:].strip())
 
 
 @functools.lru_cache(maxsize=8)

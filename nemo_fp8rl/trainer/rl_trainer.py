@@ -140,10 +140,7 @@ class RLTrainer:
         self.kv_sync = KvScaleSync(self.rollout_fp8, self.model_cfg, task=self.task, seed=cfg.seed, dp_rank=dp_rank,
                                    prompts=self.local_prompts, group_size=a.group_size, device=self.actor.device,
                                    pad_id=tok.pad_id)
-        self.sampling = SamplingParams(
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            max_new_tokens=cfg.rollout.max_new_tokens, stop_on_eos=cfg.rollout.stop_on_eos,
-        )
+        self.sampling = SamplingParams.from_config(cfg.rollout)  # temperature, top-p, lengths, EOS, stop strings
         self.policy_loss = get_policy_loss(a.policy_loss)
         self.adv_fn = get_advantage_estimator(a.adv_estimator)
         c = cfg.calibration
@@ -220,6 +217,7 @@ class RLTrainer:
         engine = get_rollout_engine(
             cfg.rollout.engine, self.model_cfg, **self.rollout_fp8.engine_kwargs(), train_recipe=self.recipe,
             eos_id=tok.eos_id, pad_id=tok.pad_id, eos_ids=getattr(tok, "eos_ids", None), options=cfg.rollout,
+            tokenizer=tok if cfg.rollout.stop else None,  # rollout.stop: the engine decodes responses
             **engine_kw,
         )
         if rollout_tp > 1:
@@ -464,8 +462,11 @@ class RLTrainer:
             "reward/errors": make_metric(torch.tensor(float(scores.errors)), "sum"),
             "rollout/invalid_frac": make_metric(scores.invalid.float().mean(), "mean"),
             "rollout/response_len": make_metric(batch.response_lens.float().mean(), "mean"),
+            # responses that ended before max_new_tokens: on EOS or, with rollout.stop, on a stop string
             "rollout/eos_frac": make_metric(batch.finished.float().mean(), "mean"),
         }
+        if scores.trailing is not None:  # tasks with a closing answer tag: text after it (task.trailing_text_penalty)
+            local["reward/trailing_text"] = make_metric(scores.trailing.float().mean(), "mean")
         local.update(ds_metrics)
         local.update(kv_metrics)
         if hasattr(self.task, "skipped_rows"):  # data.on_error=skip: malformed rows seen so far
@@ -841,6 +842,7 @@ def _merge_groups(parts, chosen, group_size: int, pad_id: int):
     scores = Scores(
         rewards=pick(lambda p: p[1].rewards), correct=pick(lambda p: p[1].correct),
         invalid=pick(lambda p: p[1].invalid), errors=sum(p[1].errors for p in parts),
+        trailing=None if parts[0][1].trailing is None else pick(lambda p: p[1].trailing),
     )
     return batch, scores, pick(lambda p: p[2]), pick(lambda p: p[3])
 
