@@ -130,7 +130,8 @@ def _stage_args(mod, *argv: str):
     """run_study's parsed arguments for ``argv`` (its own parser, through main's argparse setup)."""
     import argparse
 
-    ns = argparse.Namespace(stage=None, points="", regime="", conditions="", condition="", confirm_seeds="11,12,13",
+    ns = argparse.Namespace(stage=None, points="", regime="", conditions="", condition="", candidates="",
+                            confirm_seeds="11,12,13",
                             sweep_steps=100, explore_steps=100, confirm_steps=100, checkpoint_every=10)
     for a in argv:
         k, _, v = a.partition("=")
@@ -463,3 +464,65 @@ def test_rollout_accuracy_variants_compose_and_first_window_reads_the_records(tm
     assert gap["gap_step0"] == pytest.approx(-0.25)
     assert gap["gap_first_window"] == pytest.approx((0.25 + 9 * 0.4) / 10 - 0.5)
     assert ra.first_window_gap(tmp_path / "rec", 12) is None
+
+
+def test_track_stage_arms_compose_with_pooled_calibration_stop_string_and_recompute_tis(tmp_path, monkeypatch):
+    """Issue 41's exploration (``--stage track``): per candidate on seed 1, the arms compose and validate with
+    the pooled calibration (every step observed, rounds of 5), the stop string, recompute + TIS for its arm,
+    and the fixed-wide arm only once its window is known (then at that window)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from nemo_fp8rl.train import CONF_DIR, register_schema
+    from nemo_fp8rl.validation import validate
+
+    mod = _run_study_module()
+    runs = mod.stage_runs(_stage_args(mod, "stage=track"))
+    assert {r["arm"] for r in runs} == {"bf16", "fp8", "fp8_calibrated", "fp8_recompute_tis", "fp8_calibrated_low"}
+    assert {r["seed"] for r in runs} == {mod.EXPLORE_SEED}
+    monkeypatch.setitem(mod.TRACK_WIDE, "2xlr", (0.55, 1.9))
+    runs = mod.stage_runs(_stage_args(mod, "stage=track", "candidates=2xlr"))
+    assert [r["arm"] for r in runs] == list(mod.TRACK_ARM_ORDER)
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfgs = {r["arm"]: validate(OmegaConf.to_object(compose("config", overrides=mod.command(r, tmp_path, r["steps"], [])[3:])))
+                for r in runs}
+    GlobalHydra.instance().clear()
+    for arm, cfg in cfgs.items():
+        assert cfg.calibration.enabled and cfg.calibration.interval == 5 and cfg.calibration.window == 5
+        assert cfg.calibration.apply == arm.startswith("fp8_calibrated")
+        assert cfg.calibration.lower_min == (0.01 if arm == "fp8_calibrated_low" else 0.5)
+        assert list(cfg.rollout.stop) == ["</answer>"]
+        assert cfg.optim.lr == 2e-5 and cfg.seed == 1
+        assert (cfg.fp8.recipe is None) == (arm == "bf16")
+        assert cfg.algorithm.old_logprobs == ("recompute" if arm == "fp8_recompute_tis" else "rollout")
+    assert cfgs["fp8_recompute_tis"].algorithm.rollout_correction == "tis"
+    assert cfgs["fp8_recompute_tis"].algorithm.tis_cap == 2.0
+    wide = cfgs["fp8_fixed_wide"].algorithm
+    assert (1 - wide.eps_low, 1 + wide.eps_high) == pytest.approx((0.55, 1.9))
+
+
+def test_calibration_batch_stats_and_seeds_for_gap():
+    """Issue 41 items 3 and 7: the calibration-batch statistics of one run, and the number of seeds the
+    bootstrap rule needs for a gap (monotone in the spread; the sign rule at 3 seeds)."""
+    sys.path.insert(0, str(RUN_STUDY.parent))
+    import protocol_report as pr
+
+    recs = [{"step": 0, "clip/lower": 0.8, "clip/upper": 1.2, "calib/tokens": 40, "calib/alpha_bf16": 0.0,
+             "calib/lower_raw": 0.1},
+            {"step": 1, "clip/lower": 0.5, "clip/upper": 2.0},
+            {"step": 2, "clip/lower": 0.5, "clip/upper": 2.2, "calib/tokens": 10, "calib/skipped": 1.0},
+            {"step": 3, "clip/lower": 0.6, "clip/upper": 1.8, "calib/tokens": 200, "calib/alpha_bf16": 0.02,
+             "calib/lower_raw": 0.6}]
+    s = pr.calibration_batch_stats(recs)
+    assert (s["calibrations"], s["skipped"], s["tokens_median"]) == (3, 1, 120)
+    assert s["alpha_zero"] == 0.5 and s["raw_below_guard"] == 0.5 and (s["raw_min"], s["raw_max"]) == (0.1, 0.6)
+    assert s["lower_at_guard"] == 2 / 3 and s["lower_median"] == 0.5 and s["upper_median"] == 2.0
+    assert "| r | 3 (1) | 120 [40, 200] |" in pr.calibration_batch_table([("r", s)])
+    # 3 seeds: the sign rule; Phi(gap / sd)^3 >= 0.8 needs gap >= 1.46 sd
+    assert pr.seeds_for_gap(0.05, 0.08) == 3
+    few, many = pr.seeds_for_gap(0.06, 0.08), pr.seeds_for_gap(0.12, 0.08)
+    assert 3 <= few < many <= 60
+    assert pr.seeds_for_gap(1.0, 0.01, max_seeds=5, sims=200, boot=200) is None

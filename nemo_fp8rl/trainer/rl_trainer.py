@@ -391,19 +391,15 @@ class RLTrainer:
         """The actor's weights for the step's sync, one HF-named tensor at a time.
 
         A colocated engine that names a ``sync_target`` (the torch engine: its device and dtype) gets them
-        there, so a GPU sync is a device-to-device copy in BF16 with no host round trip and no float32
-        copy. ``FP8Actor.iter_weights`` sends float32 CPU tensors (what the vLLM sync and file writers
-        take), so the single-stage case streams the stage itself; with pipeline stages the broadcast of
-        ``iter_weights`` is needed and the engine converts what arrives.
+        there (``FP8Actor.iter_weights(device, dtype)``, also across pipeline stages), so a GPU sync is a
+        device-to-device copy in BF16 with no host round trip and no float32 copy; other engines get
+        float32 CPU tensors (what the vLLM sync takes).
         """
         target = getattr(self.engine, "sync_target", None)
-        if target is None or self.actor.pp_size != 1:
+        if target is None:
             return self.actor.iter_weights()
-        from nemo_fp8rl.models.hf_weights import iter_stage_hf
-
         device, dtype = target
-        tp_group = self.actor.tp_group if self.actor.tp_size > 1 else None
-        return iter_stage_hf(self.actor.model, self.model_cfg, tp_group, device=device, dtype=dtype)
+        return self.actor.iter_weights(device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> Dict[str, float]:
