@@ -155,8 +155,8 @@ class _Fp8TorchLinearFn(torch.autograd.Function):
 # The kernel path: every layout of an operand from one Triton launch (kernels/cast_transpose.py)
 # ------------------------------------------------------------------------------------------------------
 
-KERNEL_SCALINGS = ("tensorwise", "delayed", "blockwise")
-"""Recipes whose three GEMMs the Triton kernels feed (rowwise and mxfp8 keep the compiled quantizer)."""
+KERNEL_SCALINGS = ("tensorwise", "delayed", "rowwise", "blockwise")
+"""Recipes whose three GEMMs the Triton kernels feed (mxfp8 keeps the compiled quantizer)."""
 
 
 def kernel_path_refusal(recipe: Fp8Recipe, device) -> Optional[str]:
@@ -205,8 +205,10 @@ def hybrid_blockwise_refusal(recipe: Fp8Recipe) -> Optional[str]:
 def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8LinearState], record: bool):
     """``(forward B operand, dgrad B operand)`` of the weight: FP8 W and W^T from one kernel launch.
 
-    tensorwise/delayed: W [N, K] and W^T [K, N] with one scale; blockwise: 128x128 tiles of W and W^T
-    (hybrid: W^T's place holds W's dequantized bf16 values for the bf16 dgrad GEMM).
+    tensorwise/delayed: W [N, K] and W^T [K, N] with one scale; rowwise: W [N, K] with one scale per output
+    channel (scale_inv [1, N]) and W^T [K, N] with one per input channel (scale_inv [1, K]: W quantized along
+    N); blockwise: 128x128 tiles of W and W^T (hybrid: W^T's place holds W's dequantized bf16 values for the
+    bf16 dgrad GEMM).
     """
     ops = kernels.ops()
     fmt = recipe.format_for("weight").name
@@ -219,6 +221,11 @@ def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8
         if hybrid:
             return fwd, bwd
         return fwd, QuantizedOperand(bwd[0], bwd[1], (128, 128), prepared=True)
+    if recipe.scaling == "rowwise":  # both are B operands: scale_inv [1, rows]
+        (q, s), (qt, st) = ops.cast_transpose_rowwise(weight, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
+                                                      col_pad=1, stats=stats)
+        return (QuantizedOperand(q, s.view(1, -1), "row", prepared=True),
+                QuantizedOperand(qt, st.view(1, -1), "row", prepared=True))
     meta, scale = _delayed_scale(weight, "weight", recipe, state)
     q, qt, sinv, amax = ops.cast_transpose_tensorwise(weight, fmt, scale=scale, pow2=recipe.pow2_scales,
                                                      eps=recipe.amax_epsilon, col_pad=1, stats=stats)
@@ -246,6 +253,8 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
     * backward: dy -> dy [M, N] (dgrad) and dy^T [N, M16] (wgrad) from one read;
     * wgrad is written by the GEMM in the weight's dtype; dgrad in the input's.
 
+    rowwise: one scale per row of x, dy and W (fprop, dgrad's dy) and per column (x^T, dy^T: wgrad's,
+    W^T: dgrad's), both layouts from one amax pass (rows and columns) and one cast pass.
     blockwise: 1x128 groups of both layouts from one 128x128 tile read (x^T's groups run along the
     tokens, padded to 128), 128x128 weight tiles. blockwise + hybrid: the forward is E4M3 x E4M3 on the
     kernel; dgrad and wgrad multiply the dequantized E5M2 gradient and E4M3 operands in bf16 (exact
@@ -271,6 +280,12 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
                                                       col=need_wgrad, col_bf16=hybrid, stats=stats)
             xq = QuantizedOperand(xrow[0], xrow[1], (1, 128), prepared=True, rows=m)
             x_saved = xcol if (hybrid or xcol is None) else QuantizedOperand(xcol[0], xcol[1], (1, 128), prepared=True)
+        elif recipe.scaling == "rowwise":
+            xrow, xcol = ops.cast_transpose_rowwise(x2, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
+                                                    col=need_wgrad, col_pad=16, stats=stats)
+            xq = QuantizedOperand(xrow[0], xrow[1], "row", prepared=True)  # A of fprop: scale_inv [M, 1]
+            # x^T [K, M16], the B operand of wgrad: scale_inv [1, K]
+            x_saved = QuantizedOperand(xcol[0], xcol[1].view(1, -1), "row", prepared=True) if xcol is not None else None
         else:
             meta, scale = _delayed_scale(x2, "input", recipe, state)
             q, qt, sinv, amax = ops.cast_transpose_tensorwise(x2, fmt, scale=scale, pow2=recipe.pow2_scales,
@@ -287,6 +302,7 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
         ctx.save_for_backward(*_unpack(x_saved), *_unpack(w_saved))
         ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, state, x.shape, x.dtype, weight.dtype
         ctx.block, ctx.hybrid, ctx.has_bias = block, hybrid, bias is not None
+        ctx.gran_x, ctx.gran_w = xq.granularity, wq.granularity
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -300,10 +316,8 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
         fmt = recipe.format_for("grad_output").name
         grad_x = grad_w = grad_b = None
         xd, xs, wd, ws = ctx.saved_tensors
-        gran = (1, 128) if ctx.block else "tensor"
-        wgran = (128, 128) if ctx.block else "tensor"
-        x_saved = xd if xs is None else QuantizedOperand(xd, xs, gran, prepared=True)
-        w_saved = wd if ws is None else QuantizedOperand(wd, ws, wgran, prepared=True)
+        x_saved = xd if xs is None else QuantizedOperand(xd, xs, ctx.gran_x, prepared=True)
+        w_saved = wd if ws is None else QuantizedOperand(wd, ws, ctx.gran_w, prepared=True)
         if ctx.block:
             grow, gcol = ops.cast_transpose_blockwise(g, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
                                                       row=need_dgrad, col=need_wgrad, row_bf16=ctx.hybrid,
@@ -320,6 +334,16 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
                 else:
                     gq_w = QuantizedOperand(gcol[0], gcol[1], (1, 128), prepared=True)
                     grad_w = scaled_gemm(gq_w, x_saved, _gemm_out_dtype(ctx.w_dtype))
+        elif recipe.scaling == "rowwise":
+            # dy [M, N] per row (A of dgrad: scale_inv [M, 1]), dy^T [N, M16] per column of dy (A of wgrad: [N, 1])
+            grow, gcol = ops.cast_transpose_rowwise(g, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
+                                                    row=need_dgrad, col=need_wgrad, col_pad=16, stats=stats)
+            if need_dgrad:
+                grad_x = scaled_gemm(QuantizedOperand(grow[0], grow[1], "row", prepared=True), w_saved,
+                                     _gemm_out_dtype(ctx.x_dtype))
+            if need_wgrad:
+                grad_w = scaled_gemm(QuantizedOperand(gcol[0], gcol[1], "row", prepared=True), x_saved,
+                                     _gemm_out_dtype(ctx.w_dtype))
         else:
             meta, scale = _delayed_scale(g, "grad_output", recipe, state)
             q, qt, sinv, amax = ops.cast_transpose_tensorwise(g, fmt, scale=scale, pow2=recipe.pow2_scales,

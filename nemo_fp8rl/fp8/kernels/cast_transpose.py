@@ -19,6 +19,13 @@ need (Transformer Engine's "cast + transpose"):
   ``amax`` propagates NaN), then the cast kernel, which computes the scale from that amax itself.
   Delayed scaling is one launch: the scale is given, the amax the history records is reduced in the same
   pass.
+* :func:`cast_transpose_rowwise` (``rowwise``): one scale per row of the operand for its own layout and one
+  per column for its transpose (x per token, x^T per input channel; W per output channel, W^T per input
+  channel). A row's scale needs the whole row and a column's the whole column, so it is two launches like
+  current scaling: one read reduces every row's and every column's amax (``_row_amax_kernel``: per tile,
+  one integer ``atomic_max`` per row and per column), a second read casts each tile with its rows' scales
+  into x and with its columns' scales into x^T. Scale-inverses are float32 vectors, [R, 1] for an A operand
+  (torch's RowWise layout; a B operand takes the [1, R] view).
 * :func:`cast_transpose_blockwise` (``blockwise``): 1x128 groups along the reduction dimension. A
   128x128 tile holds every group of both layouts (128 row groups of x, 128 column groups of x^T), so one
   program computes both sets of scales from the tile it read: one launch per operand, no global pass.
@@ -289,12 +296,13 @@ def _out(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------
 
 TENSOR_CONFIGS = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 256, 4))
-"""(BLOCK_R, BLOCK_C, num_warps) candidates of the per-tensor kernels (amax and cast + transpose)."""
+"""(BLOCK_R, BLOCK_C, num_warps) candidates of the per-tensor kernels (amax and cast + transpose) and of the
+row-scale kernels (row and column amaxes, cast + transpose), each timed on its own."""
 BLOCK_WARPS = (4, 8, 16)
 """num_warps candidates of the 128x128 block kernel."""
 TUNE_SHAPE = (8192, 4096)
 """The bf16 tensor the candidates are timed on (an 8B model's activation at 8192 tokens, 64 MiB)."""
-_DEFAULT = {"amax": (64, 64, 4), "tensor": (64, 64, 4), "block": 8}
+_DEFAULT = {"amax": (64, 64, 4), "tensor": (64, 64, 4), "row_amax": (64, 64, 4), "row": (64, 64, 4), "block": 8}
 _CHOSEN: dict = {}
 
 
@@ -316,7 +324,7 @@ def _time_ms(fn, reps: int = 5) -> float:
 
 
 def _config(kind: str, dev: torch.device):
-    """The launch configuration of ``kind`` (amax | tensor | block) on ``dev``.
+    """The launch configuration of ``kind`` (amax | tensor | row_amax | row | block) on ``dev``.
 
     Every configuration writes the same bits (the tiling changes which program handles an element, never
     its value: ``_kernel_checks.py`` runs several), so the fastest one is picked by timing each candidate
@@ -340,6 +348,14 @@ def _config(kind: str, dev: torch.device):
                         _amax_kernel[(triton.cdiv(x.shape[0], c[0]), triton.cdiv(x.shape[1], c[1]))](
                             _in(x), x.shape[0], x.shape[1], x.stride(0), x.stride(1), amax, IN_BF16=True,
                             BLOCK_R=c[0], BLOCK_C=c[1], num_warps=c[2], HW=_HW, **_OPTS)
+                    elif kind == "row_amax":
+                        ramax = torch.zeros(x.shape[0] + x.shape[1], dtype=torch.int32, device=dev)
+                        _row_amax_kernel[(triton.cdiv(x.shape[0], c[0]), triton.cdiv(x.shape[1], c[1]))](
+                            _in(x), x.shape[0], x.shape[1], x.stride(0), x.stride(1), ramax[:x.shape[0]],
+                            ramax[x.shape[0]:], ROW=True, COL=True, IN_BF16=True, BLOCK_R=c[0], BLOCK_C=c[1],
+                            num_warps=c[2], HW=_HW, **_OPTS)
+                    elif kind == "row":
+                        cast_transpose_rowwise(x, "e4m3", _tiles=c)  # both layouts, as the rowwise linear runs
                     else:
                         cast_transpose_tensorwise(x, "e4m3", _tiles=c)  # current scaling, as tensorwise runs
 
@@ -586,3 +602,132 @@ def cast_weight_tiles(
     fwd = (q.view(dt), sq.t())
     bwd = qt if transpose_bf16 else (qt.view(dt), sqt.t())
     return fwd, bwd
+
+
+# ------------------------------------------------------------------------------------------------------
+# row scales (rowwise): every row's and every column's amax, then cast + transpose
+# ------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_amax_kernel(x_ptr, R, C, sxr, sxc, ramax_ptr, camax_ptr, ROW: tl.constexpr, COL: tl.constexpr,
+                     IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HW: tl.constexpr):
+    """Per-row and per-column amaxes of x [R, C] in one read, as int32 bit patterns of |x| (zeroed buffers):
+
+        ROW: ramax[r] <- max_c bits|x[r, c]|   (ramax int32 [R])
+        COL: camax[c] <- max_r bits|x[r, c]|   (camax int32 [C])
+
+    Each program reduces its tile along both axes and adds BLOCK_R + BLOCK_C ``atomic_max`` (the bit patterns
+    of non-negative floats order as the floats do, NaN above inf: ``amax`` propagates NaN)."""
+    x, rows, cols, _ = _load_tile(x_ptr, tl.program_id(0), tl.program_id(1), R, C, sxr, sxc, BLOCK_R, BLOCK_C,
+                                  IN_BF16, HW)
+    ab = _abs_bits(x)
+    # relaxed: only the next launch reads the amaxes, and the launch boundary orders them
+    if ROW:
+        tl.atomic_max(ramax_ptr + rows, tl.max(ab, axis=1), mask=rows < R, sem="relaxed")
+    if COL:
+        tl.atomic_max(camax_ptr + cols, tl.max(ab, axis=0), mask=cols < C, sem="relaxed")
+
+
+@triton.jit
+def _row_cast_kernel(
+    x_ptr, R, C, sxr, sxc,
+    ramax_ptr, q_ptr, sq_ptr,
+    camax_ptr, qt_ptr, RT, sqt_ptr,
+    numel_ptr, bad_ptr,
+    TOP: tl.constexpr, EPS: tl.constexpr, INF_CAP: tl.constexpr, POW2: tl.constexpr, FMAX: tl.constexpr,
+    E4M3: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, STATS: tl.constexpr, IN_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HW: tl.constexpr,
+):
+    """One tile of x [R, C] cast with its rows' scales and with its columns' scales (amaxes from
+    ``_row_amax_kernel``):
+
+        ROW: s_r = scale(ramax[r]);  q[r, c] = fp8(sat(x[r, c] * s_r))  into q [R, C];  sq[r] = fp32(1 / s_r)
+        COL: s_c = scale(camax[c]);  qt[c, r] = fp8(sat(x[r, c] * s_c)) into qt [C, RT] (columns R..RT
+             zero: the grid covers RT rows, read as zeros);  sqt[c] = fp32(1 / s_c)
+
+    The scale-inverses are written by the first column (row) of programs, which also count the groups with a
+    non-finite amax under STATS; program (0, 0) adds R * C per layout to numel.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    x, rows, cols, in_mask = _load_tile(x_ptr, pid_r, pid_c, R, C, sxr, sxc, BLOCK_R, BLOCK_C, IN_BF16, HW)
+    if ROW:
+        amax_r = tl.load(ramax_ptr + rows, mask=rows < R, other=0).to(tl.float32, bitcast=True)  # [BLOCK_R]
+        s_r = _scale_of(amax_r, TOP, EPS, INF_CAP, POW2)
+        code = _fp8_bits(_saturate(x * s_r[:, None], FMAX), E4M3, HW).to(tl.uint8)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], code, mask=in_mask)
+        if pid_c == 0:
+            tl.store(sq_ptr + rows, tl.math.div_rn(tl.zeros_like(s_r) + 1.0, s_r), mask=rows < R)
+            if STATS:
+                bad_r = ((amax_r != amax_r) | (amax_r == float("inf"))) & (rows < R)
+                tl.atomic_add(bad_ptr, tl.sum(bad_r.to(tl.int64), axis=0))
+    if COL:
+        amax_c = tl.load(camax_ptr + cols, mask=cols < C, other=0).to(tl.float32, bitcast=True)  # [BLOCK_C]
+        s_c = _scale_of(amax_c, TOP, EPS, INF_CAP, POW2)
+        code_t = _fp8_bits(_saturate(x * s_c[None, :], FMAX), E4M3, HW).to(tl.uint8)
+        tl.store(qt_ptr + cols[:, None] * RT + rows[None, :], tl.trans(code_t),
+                 mask=(rows[None, :] < RT) & (cols[:, None] < C))
+        if pid_r == 0:
+            tl.store(sqt_ptr + cols, tl.math.div_rn(tl.zeros_like(s_c) + 1.0, s_c), mask=cols < C)
+            if STATS:
+                bad_c = ((amax_c != amax_c) | (amax_c == float("inf"))) & (cols < C)
+                tl.atomic_add(bad_ptr, tl.sum(bad_c.to(tl.int64), axis=0))
+    if STATS:
+        if (pid_r == 0) & (pid_c == 0):
+            tl.atomic_add(numel_ptr, (tl.zeros((), tl.int64) + R) * C * (ROW + COL))
+
+
+def cast_transpose_rowwise(
+    x: torch.Tensor, fmt: str, *, pow2: bool = True, eps: float = 0.0, row: bool = True, col: bool = True,
+    col_pad: int = 16, stats=None, _tiles=None, _amax_tiles=None,
+):
+    """Row-scaled FP8 of x [R, C] along C and of x^T along R (one scale per column of x), two launches.
+
+    Per group g (a row of x for ``row``, a column of x for ``col``), as ``quantize(.., "row")``:
+
+        s_g = fp32(M / max(amax_g, eps));  amax_g in {0, inf, NaN} -> s_g = 1;  s_g = inf -> fp32 max;
+        pow2: s_g <- 2^floor(log2 s_g);     q = fp8_rtne(clamp(fp32(x) * s_g, -M, M));  scale_inv = fp32(1 / s_g)
+
+    Returns ``(row_out, col_out)``, each None when not asked for:
+    row: ``(q [R, C] FP8, scale_inv [R, 1])``: torch's RowWise A operand as it is (fprop's x, dgrad's dy);
+    the B operand (the weight) takes ``scale_inv.view(1, -1)``.
+    col: ``(q^T [C, RT] FP8, scale_inv [C, 1])``, RT = R rounded up to ``col_pad`` (columns R..RT zero: the
+    wgrad GEMM reduces along them; zeros change no sum): wgrad's dy^T (A) or x^T (B, ``scale_inv.view(1, -1)``),
+    or with ``col_pad=1`` W^T, dgrad's B operand.
+    The first launch reduces every row's and column's amax from one read of x (``_row_amax_kernel``), the
+    second reads x again and writes both layouts (``_row_cast_kernel``). ``stats``: counted as the eager
+    quantizer counts its two quantizations (numel per layout, groups with an inf/NaN amax; no saturation with
+    a current scale). ``_tiles`` / ``_amax_tiles``: (BLOCK_R, BLOCK_C, num_warps) of the cast / amax launch,
+    default the tuned ones (:func:`_config`).
+    """
+    R, C = x.shape
+    fmax, e4m3, dt = _FMT[fmt]
+    dev = x.device
+    RT = -(-R // col_pad) * col_pad
+    R4 = -(-R // 4) * 4
+    amax = torch.zeros(R4 + C, dtype=torch.int32, device=dev)  # one fill: rows' amaxes, then columns'
+    q = torch.empty(R, C, dtype=torch.uint8, device=dev) if row else None
+    sq = torch.empty(R, 1, dtype=torch.float32, device=dev) if row else None
+    qt = torch.empty(C, RT, dtype=torch.uint8, device=dev) if col else None
+    sqt = torch.empty(C, 1, dtype=torch.float32, device=dev) if col else None
+    ar, ac, aw = _amax_tiles if _amax_tiles is not None else _config("row_amax", dev)
+    in_bf16 = x.dtype == torch.bfloat16
+    ramax, camax = amax[:R4], amax[R4:]
+    _row_amax_kernel[(triton.cdiv(R, ar), triton.cdiv(C, ac))](
+        _in(x), R, C, x.stride(0), x.stride(1), ramax, camax, ROW=row, COL=col, IN_BF16=in_bf16,
+        BLOCK_R=ar, BLOCK_C=ac, num_warps=aw, HW=_HW, **_OPTS)
+    dummy = torch.empty(1, dtype=torch.int64, device=dev)
+    fdummy = torch.empty(1, dtype=torch.float32, device=dev)
+    numel, bad = _stats_args(stats, dev, dummy)
+    br, bc, nw = _tiles if _tiles is not None else _config("row", dev)
+    grid = (triton.cdiv(max(R, RT if col else R), br), triton.cdiv(C, bc))
+    _row_cast_kernel[grid](
+        _in(x), R, C, x.stride(0), x.stride(1),
+        ramax, q if q is not None else dummy, sq if sq is not None else fdummy,
+        camax, qt if qt is not None else dummy, RT, sqt if sqt is not None else fdummy,
+        numel, bad, TOP=fmax, EPS=float(eps), INF_CAP=_FP32_MAX, POW2=bool(pow2), FMAX=fmax, E4M3=e4m3,
+        ROW=row, COL=col, STATS=stats is not None, IN_BF16=in_bf16, BLOCK_R=br, BLOCK_C=bc, num_warps=nw,
+        HW=_HW, **_OPTS,
+    )
+    return ((q.view(dt), sq) if row else None), ((qt.view(dt), sqt) if col else None)

@@ -33,6 +33,18 @@ def tensorwise_layouts(x: torch.Tensor, fmt: str, *, scale: Optional[torch.Tenso
     return data, qt, (1.0 / s).reshape(()), amax.float().reshape(())
 
 
+def rowwise_layouts(x: torch.Tensor, fmt: str, *, pow2: bool = True, eps: float = 0.0, col_pad: int = 16):
+    """``(row, col)`` of ``cast_transpose_rowwise``: x [R, C] quantized per row (``quantize(x, "row")`` along
+    C: ``(q [R, C], scale_inv [R, 1])``) and x^T per row, i.e. per column of x, as the torch backend's
+    reference path quantizes it (``x.t()`` along R), zero-padded to RT columns: ``(q^T [C, RT], scale_inv [C, 1])``."""
+    r, c = x.shape
+    row = quantize(x, fmt, "row", dim=1, pow2_scales=pow2, eps=eps)
+    d, s = quantize(x.t(), fmt, "row", dim=1, pow2_scales=pow2, eps=eps)
+    qt = torch.zeros(c, _round_up(r, col_pad), dtype=d.dtype, device=x.device)
+    qt[:, :r] = d
+    return row, (qt, s)
+
+
 def _rows_1x128(t: torch.Tensor, fmt: str, pow2: bool, eps: float, block: int):
     """1xB quantization of t [R', C'] along C': ``(data [R', C'], scale_inv [R', C'/B])``."""
     data, sinv = quantize(t, fmt, (1, block), dim=1, pow2_scales=pow2, eps=eps)
@@ -93,4 +105,4 @@ def same_bytes(a, b) -> bool:
     return bool(((a.view(view) == b.view(view)) | nan).all())
 
 
-__all__ = ["blockwise_layouts", "same_bytes", "tensorwise_layouts", "weight_tile_layouts"]
+__all__ = ["blockwise_layouts", "rowwise_layouts", "same_bytes", "tensorwise_layouts", "weight_tile_layouts"]
