@@ -18,7 +18,9 @@ work ``tokens * out_features * in_features`` (multiply-adds of one GEMM) is belo
     mxfp8             never on Hopper     no sm90 kernel (emulated)
 
 (``benchmarks/gpu/records/2026-12-04-b/summary.md``: Qwen3-8B projections, forward + dgrad + wgrad, FP8 with
-the weight cached per optimizer step, the Triton kernels with the GPU's own FP8 conversions.) The same GEMM
+the weight cached per optimizer step, the Triton kernels with the GPU's own FP8 conversions; rowwise was
+measured before it had a kernel, on the compiled quantizer: its threshold stands until the next GPU check
+re-measures it on the kernel.) The same GEMM
 work does not always give the same ratio (qkv@8192 and down@4096 share 2.06e11; qkv@8192 tensorwise measured
 1.12x in the morning run and 0.98x in run b): the thresholds sit where the measured rows change sign, and
 rows near them may land on either side of 1.0x by a few percent. The decision is made once per layer when the model is built, from the

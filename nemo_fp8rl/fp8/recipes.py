@@ -22,8 +22,8 @@ mxfp8        1x32 along the reduction dim, E8M0 1x32 along the reduction dim   e
 ============ ================================== ============================== ==========
 
 ``rowwise`` follows torchao's rowwise recipe (power-of-two scales, E4M3 everywhere); it has no
-Transformer Engine equivalent, so it runs emulated only. ``hybrid`` = E4M3 for inputs and weights,
-E5M2 for output gradients.
+Transformer Engine equivalent, so it runs emulated or on torch's FP8 GEMMs (``fp8.backend=torch``), never
+on ``te``. ``hybrid`` = E4M3 for inputs and weights, E5M2 for output gradients.
 """
 
 from __future__ import annotations
