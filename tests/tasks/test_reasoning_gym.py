@@ -220,18 +220,23 @@ def test_grpo_cli_two_steps_with_a_hf_checkpoint(tmp_path):
             "trainer.max_steps=2", "algorithm.prompts_per_step=2", "algorithm.group_size=2",
             "algorithm.minibatches_per_step=1", "rollout.max_new_tokens=4", "parallel.micro_batch_size=4",
             "model.seq_length=256",
+            # a BPE tokenizer decodes for the torch engine's stop strings; the format penalty is wired through
+            "rollout.stop=['</answer>']", "task.trailing_text_penalty=0.1",
             timeout=600)
     recs = metrics(out)
     assert [r["step"] for r in recs] == [0, 1]
     for r in recs:
-        for k in ("reward/mean", "rollout/invalid_frac", "train/loss", "policy/entropy"):
+        for k in ("reward/mean", "rollout/invalid_frac", "train/loss", "policy/entropy", "reward/trailing_text"):
             assert k in r and r[k] is not None and math.isfinite(r[k]), (k, r.get(k))
         assert r["reward/errors"] == 0
-        assert 0.0 <= r["reward/mean"] <= 1.0 and 0.0 <= r["rollout/invalid_frac"] <= 1.0
+        assert -0.1 <= r["reward/mean"] <= 1.0 and 0.0 <= r["rollout/invalid_frac"] <= 1.0
+        assert 0.0 <= r["reward/trailing_text"] <= 1.0
     import yaml
 
     task = yaml.safe_load((out / "config.yaml").read_text())["task"]
     assert task["name"] == "reasoning_gym" and task["dataset_kwargs"] == {"max_terms": 3}
+    assert task["trailing_text_penalty"] == 0.1
+    assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["stop"] == ["</answer>"]
     # the stream position is in the checkpoint: 2 steps x 2 prompts
     state = torch.load(out / "checkpoints" / "step_2" / "rank_0.pt", map_location="cpu", weights_only=False)
     assert state["task"]["position"] == 4 and state["task"]["dataset"] == "chain_sum"
