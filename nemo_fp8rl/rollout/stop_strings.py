@@ -26,7 +26,11 @@ tail of tokens long enough to hold the longest stop string: a suffix of the toke
 suffix of the text in general (SentencePiece drops a leading space, byte-level BPE splits characters,
 tokenizers clean up spaces before punctuation), and a token may decode to no character at all, so no
 token count provably covers a string. The price is ``O(n)`` decoded characters per live row and check,
-``O(n^2 / k)`` over a response of ``n`` tokens, on the host (no device work, no extra sync).
+``O(n^2 / k)`` over a response of ``n`` tokens, on the host (no device work, no extra sync). Measured with
+SmolLM2's tokenizer on the 2-core CPU: 4.7 ms per 512-token response at k = 8, 17 ms per 1024-token one
+(136 ms at k = 1), i.e. about 4.5 s of host time for 256 responses of 1024 tokens at k = 8, during which
+the device waits: an incremental decoder (vLLM's ``DecodeStream``) would make it linear, at the price of
+text that may differ from the tokenizer's ``decode`` the rewards read.
 """
 
 from __future__ import annotations
