@@ -102,6 +102,12 @@ def _kernels_equal(rec, x, w, dy, device) -> dict:
                     want = ref.blockwise_layouts(t, fmt, row_bf16=bf16, col_bf16=col_bf16, **kw)
                     out[f"{role}_row"] = ref.same_bytes(got[0], want[0])
                     out[f"{role}_col"] = ref.same_bytes(got[1], want[1])
+            elif rec.scaling == "rowwise":  # the weight's W^T unpadded (col_pad 1), x^T / dy^T padded to 16
+                pad = 1 if role == "weight" else 16
+                got = ops.cast_transpose_rowwise(d, fmt, col_pad=pad, **kw)
+                want = ref.rowwise_layouts(t, fmt, col_pad=pad, **kw)
+                out[f"{role}_row"] = ref.same_bytes(got[0], want[0])
+                out[f"{role}_col"] = ref.same_bytes(got[1], want[1])
             else:
                 scale = compute_scale(t.float().abs().amax() * 0.5, fmt) if rec.scaling == "delayed" else None
                 got = ops.cast_transpose_tensorwise(d, fmt, scale=None if scale is None else scale.to(device), **kw)

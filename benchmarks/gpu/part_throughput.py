@@ -11,8 +11,8 @@ and >= 1.3x at 8192, blockwise >= 1.25x at 16384, blockwise_hybrid >= 0.95x bloc
 
 The FP8 calls run as the trainer runs them: inside ``fp8_weight_cache`` (the weight's FP8 copies are made
 once per optimizer step and reused by every micro-batch and the log-prob pass), so a timed call is one
-micro-batch of a step. On the GPU ``fp8.backend=torch`` feeds tensorwise/delayed/blockwise from the Triton
-cast-transpose kernels (``fp8/kernels``) and rowwise from the compiled quantizer.
+micro-batch of a step. On the GPU ``fp8.backend=torch`` feeds tensorwise/delayed/rowwise/blockwise from the Triton
+cast-transpose kernels (``fp8/kernels``; rowwise's since 2026-12-04, after the H200 records).
 
 Peer rows: torchao's ``convert_to_float8_training`` (tensorwise and rowwise recipes) on the same BF16
 linear, compiled with ``torch.compile`` (its intended use; the token dim marked dynamic, so one compile per
