@@ -20,6 +20,16 @@ phase by phase. Target (issue 26): an FP8 step at most 1.2x the BF16 step.
 
     python benchmarks/bench_step.py --real [--steps 4] [--recipes tensorwise,blockwise] [--threads 2] [--fixed-length]
 
+``--real --correction-cost`` (issue 41) instead prices the two fixes side by side, ``blockwise`` fixed clip
+in every arm: no correction pass (``calibration=off``, old log-probs from the rollout engine); the pooled
+calibration's shadow passes on every step (``calibration=measure`` with interval 5 and window 5: the
+bounds stay nominal, so it follows the first arm's trajectory and its extra time is the passes alone); and
+the peers' recompute + TIS (``algorithm.old_logprobs=recompute``: one more FP8 forward over the batch per
+step). Per calibration step the shadow passes cost the ``shadow`` + ``push`` seconds printed; at interval
+k without pooling they cost that / k per step.
+
+    python benchmarks/bench_step.py --real --correction-cost [--steps 4] --fixed-length
+
 The response lengths (which set the decode steps and the trained tokens) differ between arms, so the
 table also prints each arm's mean ``rollout/response_len`` and ``train/global_tokens``; ``--fixed-length``
 removes that difference (every response runs to ``rollout.max_new_tokens``) to compare the cost alone.
@@ -97,10 +107,18 @@ def main_real(args) -> None:
 
     tmp = tempfile.mkdtemp(prefix="bench_step_real_")
     fixed = ["rollout.stop_on_eos=false"] if args.fixed_length else []
-    arms = {"bf16": (["fp8=off", "calibration=off", *fixed], "false")}
-    for recipe in args.recipes.split(","):
-        arms[f"{recipe} fused"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=true", *fixed], "true")
-        arms[f"{recipe} eager"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=false", *fixed], "false")
+    if args.correction_cost:
+        base = ["fp8=blockwise", "fp8.compile=true", *fixed]
+        arms = {"fixed": ([*base, "calibration=off"], "true"),
+                "pooled shadow": ([*base, "calibration=measure", "calibration.interval=5", "calibration.window=5"],
+                                  "true"),
+                "recompute+tis": ([*base, "calibration=off", "algorithm.old_logprobs=recompute",
+                                   "algorithm.rollout_correction=tis", "algorithm.tis_cap=2.0"], "true")}
+    else:
+        arms = {"bf16": (["fp8=off", "calibration=off", *fixed], "false")}
+        for recipe in args.recipes.split(","):
+            arms[f"{recipe} fused"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=true", *fixed], "true")
+            arms[f"{recipe} eager"] = ([f"fp8={recipe}", "calibration=off", "fp8.compile=false", *fixed], "false")
     trainers = {name: real_trainer(f"{tmp}/{name.replace(' ', '_')}", ov, args.warmup_cache)
                 for name, (ov, _) in arms.items()}
     phases = PHASES
@@ -115,6 +133,7 @@ def main_real(args) -> None:
                 continue  # compiles and first-touch allocations
             for p in phases:
                 times[name][p].append(m.get(f"timing/{p}", 0.0))
+            times[name].setdefault("push", []).append(m.get("timing/push_forward", 0.0))
             for k in SIZE_KEYS:
                 sizes[name][k].append(m.get(k, 0.0))
     for tr in trainers.values():
@@ -125,8 +144,17 @@ def main_real(args) -> None:
     print("\n".join(phase_rows(times, arms, fmt=">18.2f")))
     for k in SIZE_KEYS:  # the work each arm's steps did: differing sizes confound the time ratios
         print(f"{k:<16}" + "".join(f"{statistics.mean(sizes[n][k]):>18.1f}" for n in arms))
-    ref = statistics.mean(times["bf16"]["step"])
-    print(f"{'x bf16 step':<16}" + "".join(f"{statistics.mean(times[n]['step']) / ref:>18.2f}" for n in arms))
+    print(f"{'push (calib)':<16}" + "".join(f"{statistics.mean(times[n]['push']):>18.2f}" for n in arms))
+    ref_arm = "fixed" if args.correction_cost else "bf16"
+    ref = statistics.mean(times[ref_arm]["step"])
+    print(f"{'x ' + ref_arm + ' step':<16}" + "".join(f"{statistics.mean(times[n]['step']) / ref:>18.2f}" for n in arms))
+    if args.correction_cost:
+        cal = statistics.mean(times["pooled shadow"]["shadow"]) + statistics.mean(times["pooled shadow"]["push"])
+        extra = statistics.mean(times["recompute+tis"]["logprobs"]) - statistics.mean(times["fixed"]["logprobs"])
+        print(f"calibration passes per calibration step: {cal:.2f}s = {100 * cal / ref:.1f}% of a fixed-clip step "
+              f"(every step with window 5 / interval 5; {100 * cal / ref / 10:.1f}% at interval 10, "
+              f"{100 * cal / ref / 20:.1f}% at interval 20); recompute: {extra:.2f}s more log-prob time per "
+              f"step = {100 * extra / ref:.1f}%")
     if fused.compile_unavailable():
         print(f"note: compile unavailable ({fused.compile_unavailable()}): the fused arms ran eager")
 
@@ -141,6 +169,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--real", action="store_true", help="BF16 vs FP8 step on the make demo-real settings")
     ap.add_argument("--recipes", default="tensorwise,blockwise", help="--real: FP8 recipes to compare")
+    ap.add_argument("--correction-cost", action="store_true",
+                    help="--real: price calibration's shadow passes against recompute + TIS (issue 41)")
     ap.add_argument("--fixed-length", action="store_true",
                     help="--real: rollout.stop_on_eos=false in every arm, so every response has "
                          "rollout.max_new_tokens tokens and every arm's steps process the same shapes (the "
