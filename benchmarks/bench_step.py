@@ -21,7 +21,7 @@ phase by phase. Target (issue 26): an FP8 step at most 1.2x the BF16 step.
     python benchmarks/bench_step.py --real [--steps 4] [--recipes tensorwise,blockwise] [--threads 2] [--fixed-length]
 
 ``--real --correction-cost`` (issue 41) instead prices the two fixes side by side, ``blockwise`` fixed clip
-in every arm: no correction pass (``calibration=off``, old log-probs from the rollout engine); the pooled
+in every arm: no correction pass (``calibration=off``, ``algorithm.old_logprobs=rollout``); the pooled
 calibration's shadow passes on every step (``calibration=measure`` with interval 5 and window 5: the
 bounds stay nominal, so it follows the first arm's trajectory and its extra time is the passes alone); and
 the peers' recompute + TIS (``algorithm.old_logprobs=recompute``: one more FP8 forward over the batch per
@@ -109,9 +109,10 @@ def main_real(args) -> None:
     fixed = ["rollout.stop_on_eos=false"] if args.fixed_length else []
     if args.correction_cost:
         base = ["fp8=blockwise", "fp8.compile=true", *fixed]
-        arms = {"fixed": ([*base, "calibration=off"], "true"),
-                "pooled shadow": ([*base, "calibration=measure", "calibration.interval=5", "calibration.window=5"],
-                                  "true"),
+        rollout_old = "algorithm.old_logprobs=rollout"  # the study's setting (the trainer default is recompute)
+        arms = {"fixed": ([*base, "calibration=off", rollout_old], "true"),
+                "pooled shadow": ([*base, "calibration=measure", "calibration.interval=5", "calibration.window=5",
+                                   rollout_old], "true"),
                 "recompute+tis": ([*base, "calibration=off", "algorithm.old_logprobs=recompute",
                                    "algorithm.rollout_correction=tis", "algorithm.tis_cap=2.0"], "true")}
     else:
