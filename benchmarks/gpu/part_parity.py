@@ -117,6 +117,48 @@ def _kernels_equal(rec, x, w, dy, device) -> dict:
     return out
 
 
+def _rollout_kernels_equal(x, device) -> dict:
+    """Input name -> True when the device's rollout activation kernels (``kernels/vllm_quant.py``: vLLM's per-token
+    and 1x128-group E4M3, what the torch rollout engine runs on a GPU) write the same FP8 bytes, scales and
+    read-back values as ``fp8/rollout.py``'s eager functions on the CPU. Inputs: x, every bf16 bit pattern, and
+    exact ties of the E4M3 grid (x / s on a midpoint, where dividing and multiplying by 1/s differ)."""
+    import torch
+
+    from nemo_fp8rl.fp8 import fused, kernels
+    from nemo_fp8rl.fp8 import rollout as ro
+
+    vq = kernels.vllm_ops()
+    sig = 1.0 + torch.arange(128) / 128.0
+    ties = torch.stack([torch.cat([torch.cat([sig[j:j + 1], sig[1:] / 2]) * 2.0**-g for g in range(4)])
+                        for j in range(128)]).to(torch.bfloat16)
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+
+    def same(a, b):
+        a, b = a.cpu(), b.cpu()
+        nan = torch.isnan(a.float()) & torch.isnan(b.float())
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        return a.shape == b.shape and a.dtype == b.dtype and bool(((a.view(bits) == b.view(bits)) | nan).all())
+
+    out = {}
+    with fused.compile_mode_set("false"):
+        for name, t in (("x", x[:, : x.shape[1] // 128 * 128]), ("every_bf16_pattern", every), ("ties", ties)):
+            d = t.to(device)
+            q, s = vq.quantize_per_token(d)
+            rq, rs = ro._token_fp8(t)
+            fake = ro._token_fake(t)
+            out[f"token_{name}"] = (same(q, rq) and same(s, rs)
+                                    and same(vq.quantize_per_token(d, readback=True)[0], fake)
+                                    and same(vq.quantize_per_token(d, readback=True, out_dtype=torch.bfloat16)[0],
+                                             fake.to(torch.bfloat16)))
+            q, s = vq.quantize_per_group(d, 128)
+            rq, rs = ro._group_fp8(t, 128)
+            out[f"group_{name}"] = (same(q, rq) and same(s, rs)
+                                    and same(vq.quantize_per_group(d, 128, readback=True)[0], ro._group_fake(t, 128)))
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return out
+
+
 def _layer(rec, w, backend: str, device):
     import torch
 
@@ -250,6 +292,21 @@ def run(ctx) -> dict:
             row["gemm"] = f"emulated: no Hopper kernel ({row['gemm'].removeprefix('emulated: ')})"
         res["recipes"][label] = row
         ctx.save()
+    from nemo_fp8rl.fp8.kernels import kernel_unavailable
+
+    why = kernel_unavailable(ctx.device)
+    if why:
+        res["rollout_kernels"] = {"skipped": why}
+    else:
+        try:
+            res["rollout_kernels"] = _rollout_kernels_equal(x, ctx.device)
+            bad = [k for k, ok in res["rollout_kernels"].items() if not ok]
+            if bad:
+                res["problems"].append(f"rollout activation kernels differ from the CPU's rollout quantizer: {bad}")
+        except Exception as e:  # noqa: BLE001
+            res["rollout_kernels"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            res["problems"].append(f"rollout activation kernels: {res['rollout_kernels']['error']}")
+        ctx.save()
     if res["problems"]:
         res["failed"] = f"{len(res['problems'])} problem(s): {res['problems'][:3]}"
     return res
@@ -285,4 +342,11 @@ def tables(res: dict) -> list[str]:
         lines.append(f"| {label} | {r['gemm'].replace('|', '/')}{quantizer} | "
                      f"{sum(eq.values())}/{len(eq)} | "
                      + " | ".join(cells) + f" | {diffs} |")
+    rk = res.get("rollout_kernels")
+    if rk:
+        if "skipped" in rk or "error" in rk:
+            lines.append(f"\nRollout activation kernels (kernels/vllm_quant.py): {rk.get('skipped') or rk.get('error')}")
+        else:
+            lines.append(f"\nRollout activation kernels (kernels/vllm_quant.py) device vs CPU bit-equal: "
+                         f"{sum(rk.values())}/{len(rk)} ({', '.join(k for k, ok in rk.items() if not ok) or 'all'})")
     return lines

@@ -36,9 +36,10 @@ from typing import Optional
 
 import torch
 
-from nemo_fp8rl.fp8 import fused
+from nemo_fp8rl.fp8 import fused, kernels
 from nemo_fp8rl.fp8.backends import QuantizedOperand, torch_gemm_support
 from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8
+from nemo_fp8rl.fp8.kernels import kernel_unavailable
 from nemo_fp8rl.fp8.quantize import _blocks_1d, _blocks_2d, _unblocks_2d, fake_quantize
 from nemo_fp8rl.fp8.recipes import Fp8Recipe, get_recipe
 
@@ -55,7 +56,9 @@ def _divide_quant(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 # (its eager ops: upcast, amax, scale rule, divide, saturate, cast, read back), run through the training
 # path's fused quantizer driver (:func:`nemo_fp8rl.fp8.fused.run`): under ``fp8.compile`` (always on a GPU)
 # it is traced and compiled into an amax loop and one pointwise loop, with Inductor's exact division, so
-# the bits are the eager ones (tests/rollout/test_rollout_fused_quant.py); eager otherwise. The training
+# the bits are the eager ones (tests/rollout/test_rollout_fused_quant.py); eager otherwise. Where Triton runs
+# (CUDA), the schemes call the kernels of ``kernels/vllm_quant.py`` instead: the same bits in one launch, with
+# no Dynamo guards on the host (tests/fp8/_kernel_checks.py compares them with these functions). The training
 # quantizer itself (``quantize._quantize_impl``) cannot stand in: it scales by ``x * (M / amax)``, while
 # vLLM divides by ``amax / M``, which rounds differently.
 
@@ -101,6 +104,22 @@ def _group_fp8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]
 def _run(tag: str, fn, x: torch.Tensor, *static):
     """``fn(x, *static)`` through :func:`fused.run` (one compiled graph per tag, rank, dtype and static args)."""
     return fused.run(("rollout_activation", tag, x.dim(), x.dtype, *static), lambda: (lambda t: fn(t, *static)), x)
+
+
+def _kernel_ops(x: torch.Tensor):
+    """The Triton activation quantizers (``kernels/vllm_quant.py``: one launch per call, the same bits as the
+    functions above) where they run for ``x`` (CUDA with Triton; never on a plain CPU install), else None:
+    the compiled or eager functions above then run, whose Dynamo guards cost ~0.6 ms of host per call on a GPU
+    (issue 38's profile), which decode pays at every linear of every step."""
+    if x.dim() < 1 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or kernel_unavailable(x.device):
+        return None
+    return kernels.vllm_ops()
+
+
+def _kernel_readback(quant, x: torch.Tensor, *args) -> torch.Tensor:
+    """``quant``'s read-back values of x [..., K] (float32, x's shape)."""
+    q, _ = quant(x.reshape(-1, x.shape[-1]), *args, readback=True)
+    return q.reshape(x.shape)
 
 
 def _per_tensor_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +172,9 @@ class VllmW8A8(RolloutScheme):
 
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
         """Per token: ``s = max(amax(x_row)/448, 1/(448*512))``, ``sat(x / s) * s``; x [..., K]."""
+        ops = _kernel_ops(x)
+        if ops is not None:
+            return _kernel_readback(ops.quantize_per_token, x)
         return _run("token_fake", _token_fake, x)
 
     def weight_fp8(self, w: torch.Tensor) -> QuantizedOperand:
@@ -162,7 +184,8 @@ class VllmW8A8(RolloutScheme):
 
     def activation_fp8(self, x: torch.Tensor) -> QuantizedOperand:
         """x [M, K] -> E4M3 ``sat(x / s_x)`` with per-token s_x [M, 1]."""
-        data, s = _run("token_fp8", _token_fp8, x)
+        ops = _kernel_ops(x)
+        data, s = ops.quantize_per_token(x) if ops is not None else _run("token_fp8", _token_fp8, x)
         return QuantizedOperand(data.contiguous(), s, "row")
 
     def torch_gemm_support(self, device, out_features: int, in_features: int) -> Optional[str]:
@@ -187,6 +210,9 @@ class VllmBlock(RolloutScheme):
 
     def quantize_activation(self, x: torch.Tensor) -> torch.Tensor:
         """Per 1x128 group along K: ``s = max(amax, 1e-10)/448``; x [..., K]."""
+        ops = _kernel_ops(x) if self.block & (self.block - 1) == 0 else None
+        if ops is not None:
+            return _kernel_readback(ops.quantize_per_group, x, self.block)
         return _run("group_fake", _group_fake, x, self.block)
 
     def weight_fp8(self, w: torch.Tensor) -> QuantizedOperand:
@@ -200,7 +226,8 @@ class VllmBlock(RolloutScheme):
 
     def activation_fp8(self, x: torch.Tensor) -> QuantizedOperand:
         """x [M, K] (K a multiple of the block) -> E4M3 data [M, K] and group scales [M, K/B]."""
-        data, s = _run("group_fp8", _group_fp8, x, self.block)
+        ops = _kernel_ops(x) if self.block & (self.block - 1) == 0 else None
+        data, s = ops.quantize_per_group(x, self.block) if ops is not None else _run("group_fp8", _group_fp8, x, self.block)
         return QuantizedOperand(data.contiguous(), s.contiguous(), (1, self.block))
 
     def torch_gemm_support(self, device, out_features: int, in_features: int) -> Optional[str]:

@@ -675,3 +675,93 @@ def test_blockwise_kernel_linear_matches_the_emulation(fmt, monkeypatch):
         bound = gemm_error_bound(a, b, torch.bfloat16)
         # each differs from the exact product by at most the bound: from each other by at most twice it
         assert bool(((out.double() - ref.double()).abs() <= 2 * bound).all()), f"output {i}"
+
+
+# ------------------------------------------------------------------------------------------------------
+# the rollout's activation quantizers (kernels/vllm_quant.py) against fp8/rollout.py
+# ------------------------------------------------------------------------------------------------------
+
+
+def _vllm_cases(dtype: torch.dtype):
+    """(name, x [M, K]) inputs: every 16-bit pattern as 256 rows of 256 (for float32: those of bf16 widened),
+    exact ties (below), edge rows (zero, tiny, NaN, inf, saturating, grid ties) with a partial last group and a
+    partial row block, and a transposed (strided) view.
+
+    Ties: x / s lands exactly on a midpoint of the E4M3 grid only for special amax/x pairs, which random or
+    consecutive patterns never give. Row j, group g: the amax 2^-g (1 + j/128) first, then 2^-g-1 (1 + i/128)
+    for i = 1..127. Dividing by s (the rule) and multiplying by fp32(1 / s) give different codes for 32 of
+    these values per layout, so the test tells the two apart."""
+    sig = 1.0 + torch.arange(128) / 128.0
+    ties = torch.stack([torch.cat([torch.cat([sig[j:j + 1], sig[1:] / 2]) * 2.0**-g for g in range(4)])
+                        for j in range(128)]).to(dtype)
+    pat = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    every = pat.view(torch.float16 if dtype == torch.float16 else torch.bfloat16).reshape(256, 256).to(dtype)
+    edge = _edge(135, 300, torch.float32)[128:]  # rows 128..134: its tiny, saturating and tie rows
+    edge[0, 3] = float("nan")
+    edge[5, 200] = float("inf")
+    edge[6] = 0.0
+    edge = edge.to(dtype)
+    strided = (torch.randn(256, 19, generator=torch.Generator().manual_seed(7)) * 5).to(dtype).t()
+    return [("every pattern", every), ("ties", ties), ("edge", edge), ("strided", strided)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_vllm_per_token_kernel_is_the_rollout_quantizer(dtype):
+    """quantize_per_token: E4M3 data and scales [M, 1] equal ``rollout._token_fp8``; the read-back equals
+    ``rollout._token_fake`` in float32 and its bf16 rounding, on every 16-bit pattern and the edge rows."""
+    from nemo_fp8rl.fp8 import rollout as ro
+
+    vq = kernels.vllm_ops()
+    for name, x in _vllm_cases(dtype):
+        q, s = vq.quantize_per_token(x)
+        rq, rs = ro._token_fp8(x)
+        assert _same(q, rq) and _same(s, rs), name
+        fake = ro._token_fake(x)
+        assert _same(vq.quantize_per_token(x, readback=True)[0], fake), name
+        assert _same(vq.quantize_per_token(x, readback=True, out_dtype=torch.bfloat16)[0], fake.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_vllm_per_group_kernel_is_the_rollout_quantizer(dtype):
+    """quantize_per_group (1x128): data and scales [M, K/128] equal ``rollout._group_fp8`` where K is a multiple
+    of 128; the read-back equals ``rollout._group_fake`` at any K (a partial last group reads zeros)."""
+    from nemo_fp8rl.fp8 import rollout as ro
+
+    vq = kernels.vllm_ops()
+    for name, x in _vllm_cases(dtype):
+        if x.shape[1] % 128 == 0:
+            q, s = vq.quantize_per_group(x, 128)
+            rq, rs = ro._group_fp8(x, 128)
+            assert _same(q, rq) and _same(s, rs), name
+        else:
+            assert vq.quantize_per_group(x, 128)[1].shape == (x.shape[0], -(-x.shape[1] // 128))
+        fake = ro._group_fake(x, 128)
+        assert _same(vq.quantize_per_group(x, 128, readback=True)[0], fake), name
+        assert _same(vq.quantize_per_group(x, 128, readback=True, out_dtype=torch.bfloat16)[0],
+                     fake.to(torch.bfloat16)), name
+
+
+def test_rollout_schemes_run_the_kernels_where_they_run(monkeypatch):
+    """With the kernels available (here: the interpreter), vllm_w8a8 and vllm_block quantize activations through
+    them, in the FP8-GEMM layout and as read-back values of any leading shape, with the compiled/eager path's
+    bits; with NEMO_FP8RL_KERNELS=0 they do not."""
+    from nemo_fp8rl.fp8 import rollout as ro
+
+    vq = kernels.vllm_ops()
+    calls = []
+    for fn in ("quantize_per_token", "quantize_per_group"):
+        real = getattr(vq, fn)
+        monkeypatch.setattr(vq, fn, lambda *a, _r=real, _n=fn, **kw: (calls.append(_n), _r(*a, **kw))[1])
+    x = (torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
+    w8a8, block = ro.get_rollout_scheme("vllm_w8a8"), ro.get_rollout_scheme("vllm_block")
+    got = [w8a8.activation_fp8(x.reshape(15, 256)), block.activation_fp8(x.reshape(15, 256)),
+           w8a8.quantize_activation(x), block.quantize_activation(x)]
+    assert calls == ["quantize_per_token", "quantize_per_group"] * 2
+    monkeypatch.setenv("NEMO_FP8RL_KERNELS", "0")
+    want = [w8a8.activation_fp8(x.reshape(15, 256)), block.activation_fp8(x.reshape(15, 256)),
+            w8a8.quantize_activation(x), block.quantize_activation(x)]
+    assert len(calls) == 4
+    for g, w in zip(got[:2], want[:2]):
+        assert _same(g.data, w.data) and _same(g.scale_inv, w.scale_inv) and g.granularity == w.granularity
+    for g, w in zip(got[2:], want[2:]):
+        assert g.shape == x.shape and _same(g, w)

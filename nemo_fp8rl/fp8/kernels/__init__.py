@@ -1,7 +1,8 @@
 """Hand-written kernels of the FP8 backends (Triton), kept beside the readable reference they match.
 
 ``quantize.py`` stays the definition; the kernels here produce the same bits faster on a GPU
-(``cast_transpose.py``: every FP8 layout of a GEMM operand from one read). They need Triton and a CUDA
+(``cast_transpose.py``: every FP8 layout of a GEMM operand from one read; ``vllm_quant.py``: the rollout's
+per-token and per-group activation quantizers in one launch). They need Triton and a CUDA
 device; on a CPU they run only in Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use to
 check them bit for bit against the reference. Everything else (a CPU-only install, an old GPU, no Triton)
 keeps the eager/compiled quantizer: :func:`kernel_unavailable` says why, once per reason.
@@ -58,4 +59,10 @@ def ops():
     return importlib.import_module("nemo_fp8rl.fp8.kernels.cast_transpose")
 
 
-__all__ = ["interpreting", "kernel_unavailable", "ops"]
+def vllm_ops():
+    """The rollout's activation quantizers (``vllm_quant``: vLLM's per-token and 1x128-group FP8); call only
+    after :func:`kernel_unavailable` said None."""
+    return importlib.import_module("nemo_fp8rl.fp8.kernels.vllm_quant")
+
+
+__all__ = ["interpreting", "kernel_unavailable", "ops", "vllm_ops"]
