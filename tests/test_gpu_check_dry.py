@@ -99,6 +99,9 @@ def test_dry_run_runs_every_part(tmp_path):
     assert "fp8.backend=torch" in fp8["cmd"] and "calibration=paper" in fp8["cmd"]
     assert fp8["conversion"]["backend"] == "torch" and fp8["conversion"]["torch_gemm"] > 0
     assert fp8["median_shadow_s"] > 0 and grpo["step_x_bf16"] > 0
+    # where the rollout's FP8 linears ran, read from the engine's own line (on a CPU: emulated)
+    assert fp8["rollout_engine"]["scheme"] == "vllm_w8a8" and fp8["rollout_engine"]["emulated"] > 0
+    assert fp8["rollout_engine"]["torch_gemm"] == 0 and "rollout: scheme" in summary_md
 
     sh = results["shadow"]
     tw = sh["recipes"]["tensorwise"]

@@ -91,6 +91,9 @@ def _arm(name: str, overrides: list[str], timeout: float, tmp: Path) -> dict:
     m = re.search(r"backend=(\w+): (\d+) on torch FP8 GEMMs, (\d+) emulated", out)
     if m:
         arm["conversion"] = {"backend": m.group(1), "torch_gemm": int(m.group(2)), "emulated": int(m.group(3))}
+    rollout = _rollout_engine(out)
+    if rollout:
+        arm["rollout_engine"] = rollout
     recs = []
     mpath = run / "metrics.jsonl"
     if mpath.is_file():
@@ -114,6 +117,27 @@ def _arm(name: str, overrides: list[str], timeout: float, tmp: Path) -> dict:
     if "failed" in arm:
         arm["output_tail"] = out[-3000:]
     return arm
+
+
+def _rollout_engine(out: str) -> dict:
+    """What the torch rollout engine logged at its first sync (``rollout engine 'torch': FP8 scheme S quantizes
+    N linear weights per sync (...; G)``): the line, the scheme, and where its FP8 linears ran
+    (``torch_gemm`` / ``emulated`` counts; a BF16 arm's line says ``off``). Empty when no such line was printed."""
+    m = re.search(r"rollout engine 'torch': (.*)", out)
+    if not m:
+        return {}
+    line = m.group(1).strip()
+    res: dict = {"line": line[:400]}
+    s = re.search(r"FP8 scheme (\w+)", line)
+    if s:
+        res["scheme"] = s.group(1)
+    g = re.search(r"(\d+) on torch FP8 GEMMs, (\d+) emulated", line)
+    if g:
+        res["torch_gemm"], res["emulated"] = int(g.group(1)), int(g.group(2))
+    elif "emulated GEMMs" in line:
+        n = re.search(r"quantizes (\d+) linear weights", line)
+        res["torch_gemm"], res["emulated"] = 0, int(n.group(1)) if n else None
+    return res
 
 
 def run(ctx) -> dict:
@@ -145,6 +169,10 @@ def run(ctx) -> dict:
     problems = [f"{n}: {a['failed']}" for n, a in res["arms"].items() if "failed" in a]
     if not ctx.dry and fp8.get("conversion", {}).get("torch_gemm", 0) == 0 and "failed" not in fp8:
         problems.append("the FP8 arm ran no layer on torch's FP8 GEMMs (see its conversion line)")
+    ro = fp8.get("rollout_engine", {})
+    if not ctx.dry and "failed" not in fp8 and ro.get("scheme") not in (None, "off") and not ro.get("torch_gemm"):
+        # an FP8 rollout that emulates (fake-quantizes, then a BF16 GEMM) is slower than BF16 by construction
+        problems.append(f"the FP8 arm's rollout ran no linear on torch's FP8 GEMMs ({ro.get('line', '')[:200]})")
     if problems:
         res["failed"] = "; ".join(problems)
     return res
@@ -167,12 +195,14 @@ def tables(res: dict) -> list[str]:
     lines = [f"GRPO through the CLI ({res.get('model')}; median over steps after step 0; seconds per phase, "
              "weight_sync is part of rollout):", "",
              "| arm | rc | steps | finite | " + " | ".join(f"{p} s" for p in PHASES)
-             + " | sync share | FP8 layers on torch / emulated |", "|---|---|---|---|" + "---|" * (len(PHASES) + 2)]
+             + " | sync share | FP8 layers on torch / emulated | rollout: scheme, FP8 linears on torch / emulated |",
+             "|---|---|---|---|" + "---|" * (len(PHASES) + 3)]
     for name, a in res.get("arms", {}).items():
-        c = a.get("conversion", {})
+        c, ro = a.get("conversion", {}), a.get("rollout_engine", {})
         lines.append(f"| {name} | {a.get('rc')} | {a.get('steps', 0)} | {a.get('all_finite')} | "
                      + " | ".join(f"{a.get(f'median_{p}_s', nan):.3f}" for p in PHASES)
-                     + f" | {a.get('sync_share', nan):.1%} | {c.get('torch_gemm', '-')} / {c.get('emulated', '-')} |")
+                     + f" | {a.get('sync_share', nan):.1%} | {c.get('torch_gemm', '-')} / {c.get('emulated', '-')} | "
+                     f"{ro.get('scheme', '-')}, {ro.get('torch_gemm', '-')} / {ro.get('emulated', '-')} |")
     ratios = [f"{p} {res[f'{p}_x_bf16']:.2f}" for p in PHASES if f"{p}_x_bf16" in res]
     if ratios:
         lines.append("\nFP8 x BF16 per phase (BF16 s / FP8 s): " + ", ".join(ratios)
