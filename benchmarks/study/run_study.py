@@ -330,7 +330,12 @@ TRACK_CANDIDATES = {
 }
 """Issue 41's candidate regimes, explored on seed 1 (:data:`EXPLORE_SEED`): a candidate's non-FP8 overrides
 apply to its BF16 reference too (as :data:`EXPLORE`'s)."""
-TRACK_WIDE: dict[str, tuple[float, float]] = {}
+TRACK_WIDE: dict[str, tuple[float, float]] = {
+    # 2026-12-05 from the seed-1 fp8_calibrated records (steps 6-99): lower 0.500 [0.500, 0.519], upper 2.289
+    "2xlr": (0.5, 2.29),
+    # lower 0.500 [0.500, 0.590], upper 2.372
+    "e5m2": (0.5, 2.37),
+}
 """Per candidate, the fixed window (lower, upper) of its ``fp8_fixed_wide`` arm: the medians over steps of
 ``clip/lower`` and ``clip/upper`` in force in its seed-1 ``fp8_calibrated`` run (after the first round), filled
 in by hand once that run has finished (``--stage track --report`` prints them). Until then the arm is not
