@@ -159,6 +159,38 @@ def _rollout_kernels_equal(x, device) -> dict:
     return out
 
 
+def _kv_decode_within_bound(device) -> dict:
+    """Format -> max over elements of |decode_attention - float64| / bound (``kernels/kv_attention.py``'s
+    ``decode_reference``; <= 1 passes) for one decode step of a Qwen3-8B-shaped layer (32 query heads on 8 KV
+    heads, head size 128) over an FP8 cache, ragged rows of 1, 64, 65 and 1500 positions (stale positions hold
+    NaN codes, never read), scores spread over ~20 nats."""
+    import torch
+
+    from nemo_fp8rl.fp8 import kernels
+    from nemo_fp8rl.fp8.formats import get_format
+
+    kv = kernels.kv_ops()
+    out = {}
+    for fmt, ks, vs in (("e4m3", 0.013, 0.7), ("e5m2", 2.0**-12, 0.0093)):
+        g = torch.Generator().manual_seed(5)
+        B, H, G, hd, S = 4, 32, 8, 128, 1536
+        positions = torch.tensor([0, 63, 64, 1499])
+        codes = []
+        for _ in range(2):
+            c = torch.randint(0, 256, (B, G, S, hd), generator=g, dtype=torch.int32).to(torch.uint8)
+            c[~torch.isfinite(c.view(get_format(fmt).dtype).float())] = 0
+            for b in range(B):
+                c[b, :, int(positions[b]) + 1:] = 0x7F if fmt == "e4m3" else 0x7E  # NaN codes
+            codes.append(c)
+        q = torch.randn(B, H, hd, generator=g) * (6.0 / (float(get_format(fmt).max) * ks))
+        got = kv.decode_attention(q.to(device), codes[0].to(device), codes[1].to(device), positions.to(device),
+                                  ks, vs, fmt).cpu()
+        want, bound = kv.decode_reference(q, codes[0], codes[1], positions, ks, vs, fmt)
+        ratio = (got.double() - want).abs().amax(-1) / bound
+        out[fmt] = float(ratio.max()) if bool(torch.isfinite(got).all()) else float("inf")
+    return out
+
+
 def _layer(rec, w, backend: str, device):
     import torch
 
@@ -307,6 +339,15 @@ def run(ctx) -> dict:
             res["rollout_kernels"] = {"error": f"{type(e).__name__}: {e}"[:500]}
             res["problems"].append(f"rollout activation kernels: {res['rollout_kernels']['error']}")
         ctx.save()
+        try:
+            res["kv_decode"] = _kv_decode_within_bound(ctx.device)
+            bad = {k: v for k, v in res["kv_decode"].items() if not v <= 1.0}
+            if bad:
+                res["problems"].append(f"FP8 KV decode attention kernel outside its error bound: {bad}")
+        except Exception as e:  # noqa: BLE001
+            res["kv_decode"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            res["problems"].append(f"FP8 KV decode attention kernel: {res['kv_decode']['error']}")
+        ctx.save()
     if res["problems"]:
         res["failed"] = f"{len(res['problems'])} problem(s): {res['problems'][:3]}"
     return res
@@ -349,4 +390,11 @@ def tables(res: dict) -> list[str]:
         else:
             lines.append(f"\nRollout activation kernels (kernels/vllm_quant.py) device vs CPU bit-equal: "
                          f"{sum(rk.values())}/{len(rk)} ({', '.join(k for k, ok in rk.items() if not ok) or 'all'})")
+    kd = res.get("kv_decode")
+    if kd:
+        if "error" in kd:
+            lines.append(f"\nFP8 KV decode attention kernel (kernels/kv_attention.py): {kd['error']}")
+        else:
+            lines.append("\nFP8 KV decode attention kernel (kernels/kv_attention.py), max |error| / bound against "
+                         "float64 (<= 1 passes): " + ", ".join(f"{k} {v:.3g}" for k, v in kd.items()))
     return lines

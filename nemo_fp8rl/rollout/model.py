@@ -647,6 +647,27 @@ class KVCache:
         _, ks, vs = sc
         return dequantize_kv(k.view(self.kv.dtype), ks), dequantize_kv(v.view(self.kv.dtype), vs)
 
+    def attend_decode(self, i: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Layer ``i``'s decode attention read straight from its FP8 codes, where the Triton kernel runs
+        (:mod:`nemo_fp8rl.fp8.kernels.kv_attention`: CUDA; the interpreter in tests), else None (the caller
+        reads the cache back with :meth:`read` and runs SDPA).
+
+        ``softmax(q k_hat^T / sqrt(hd)) v_hat`` over positions 0..positions[b] of row b, k_hat / v_hat the
+        read-back values ``float32(code) * s`` :meth:`read` would return. Shapes: q [B, H, 1, hd] (the query as
+        :meth:`KvQuant.query` gives it), positions [B] -> [B, 1, H*hd] float32. Equal to the SDPA path within
+        float32 rounding (another summation order), not bit for bit. None too for a high-precision layer or
+        without an FP8 cache."""
+        sc = None if self.kv is None else self.kv.layer_scales(i)
+        if sc is None or q.shape[2] != 1:
+            return None
+        from nemo_fp8rl.fp8 import kernels
+
+        if kernels.kernel_unavailable(q.device) is not None:
+            return None
+        _, ks, vs = sc
+        o = kernels.kv_ops().decode_attention(q[:, :, 0], self.k[i], self.v[i], positions, ks, vs, self.kv.fmt)
+        return o.reshape(q.shape[0], 1, -1)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (LongTensor [B']) - used when sequences finish."""
         self.k = [k.index_select(0, rows) for k in self.k]
@@ -793,7 +814,9 @@ def forward_decode(
     Writes the new keys/values at ``positions[b]`` of row b, then attends to cache positions
     0..positions[b] of that row (ragged rows: each has its own length). Shapes: tokens, positions [B].
     ``length``: the cache positions read, ``max(positions) + 1``; a caller that knows it on the host passes
-    it (None reads it from ``positions``: a host sync per step on a GPU).
+    it (None reads it from ``positions``: a host sync per step on a GPU). With an FP8 cache a quantized layer
+    attends straight from its codes where the Triton kernel runs (:meth:`KVCache.attend_decode`), else to the
+    read-back values through SDPA.
     """
     B = tokens.shape[0]
     rows = torch.arange(B, device=tokens.device)
@@ -805,9 +828,13 @@ def forward_decode(
         s = _layer_scheme(lw, scheme)
         q, k, v = _qkv(shape, lw, s, h, cos, sin)
         cache.write(i, (rows, slice(None), positions), k[:, :, 0], v[:, :, 0])
+        a = None
         if cache.kv is not None:
             q = cache.kv.query(i, q)
-        kk, vv = cache.read(i, S)
-        a = _attend(shape, q, kk, vv, mask).to(h.dtype)
+            a = cache.attend_decode(i, q, positions)  # the codes read in the kernel, where it runs
+        if a is None:
+            kk, vv = cache.read(i, S)
+            a = _attend(shape, q, kk, vv, mask)
+        a = a.to(h.dtype)
         h = _mlp_and_residual(shape, lw, s, h, a)
     return _logits(shape, w, h[:, 0])

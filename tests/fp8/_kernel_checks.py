@@ -14,6 +14,7 @@ The interpreter is slow (numpy per tile), so shapes are small; they still hit pa
 zero, tiny, inf and NaN groups.
 """
 
+import math
 import os
 
 import pytest
@@ -765,3 +766,100 @@ def test_rollout_schemes_run_the_kernels_where_they_run(monkeypatch):
         assert _same(g.data, w.data) and _same(g.scale_inv, w.scale_inv) and g.granularity == w.granularity
     for g, w in zip(got[2:], want[2:]):
         assert g.shape == x.shape and _same(g, w)
+
+
+# ------------------------------------------------------------------------------------------------------
+# decode attention over the FP8 KV cache (kernels/kv_attention.py): within a derived float32 error bound
+# ------------------------------------------------------------------------------------------------------
+
+def _kv_codes(shape, fmt: str, gen: torch.Generator) -> torch.Tensor:
+    """Random finite FP8 codes (every finite byte equally likely) of ``shape``."""
+    finite = torch.tensor([c for c in range(256) if math.isfinite(
+        torch.tensor([c], dtype=torch.uint8).view(get_format(fmt).dtype).float().item())], dtype=torch.uint8)
+    return finite[torch.randint(0, finite.numel(), shape, generator=gen)]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("H,G,hd", [(4, 1, 16), (2, 2, 80), (8, 2, 128)])
+def test_decode_attention_is_within_its_float32_error_bound(fmt, H, G, hd):
+    """kv_attention.decode_attention against the float64 attention over the read-back cache: every element
+    within the bound of :func:`_decode_reference`, on ragged rows (1, 70 and 150 positions: one to three
+    blocks), grouped and ungrouped heads, a head size that is not a power of two, scores spread over ~20
+    nats; the stale positions past each row's length hold NaN codes, which must never be read."""
+    g = torch.Generator().manual_seed(hd + H)
+    B, S = 3, 160
+    positions = torch.tensor([0, 69, 149])
+    k_codes, v_codes = _kv_codes((B, G, S, hd), fmt, g), _kv_codes((B, G, S, hd), fmt, g)
+    nan = 0x7F if fmt == "e4m3" else 0x7E
+    for b in range(B):
+        k_codes[b, :, int(positions[b]) + 1:] = nan
+        v_codes[b, :, int(positions[b]) + 1:] = nan
+    ks, vs = (0.013, 0.7) if fmt == "e4m3" else (2.0**-12, 0.0093)
+    kmax = float(get_format(fmt).max) * ks
+    q = torch.randn(B, H, hd, generator=g) * (6.0 / kmax)  # |scores| of a few to ~20
+    kv = kernels.kv_ops()
+    sm = 1.0 / math.sqrt(hd)
+    got = kv.decode_attention(q, k_codes, v_codes, positions, ks, vs, fmt)
+    want, bound = kernels.kv_ops().decode_reference(q, k_codes, v_codes, positions, ks, vs, fmt, sm)
+    assert got.shape == (B, H, hd) and got.dtype == torch.float32 and bool(torch.isfinite(got).all())
+    err = (got.double() - want).abs().amax(-1)
+    assert bool((err <= bound).all()), f"error {err.max():.3e} > bound {bound[err > bound].min():.3e}"
+    # and the query in bf16 with strides (a view of [B, 1, H, hd]) reads the same as its float32 copy
+    qb = q.to(torch.bfloat16).unsqueeze(1).transpose(1, 2)[:, :, 0]
+    assert torch.equal(kv.decode_attention(qb, k_codes, v_codes, positions, ks, vs, fmt),
+                       kv.decode_attention(qb.float().contiguous(), k_codes, v_codes, positions, ks, vs, fmt))
+
+
+def test_decode_attention_refuses_shapes_it_cannot_run():
+    kv = kernels.kv_ops()
+    c = torch.zeros(1, 2, 8, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiple"):
+        kv.decode_attention(torch.zeros(1, 3, 16), c, c, torch.zeros(1, dtype=torch.long), 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"q \[B, H, hd\]"):
+        kv.decode_attention(torch.zeros(1, 4, 8), c, c, torch.zeros(1, dtype=torch.long), 1.0, 1.0)
+    with pytest.raises(ValueError, match="e4m3 or e5m2"):
+        kv.decode_attention(torch.zeros(1, 4, 16), c, c, torch.zeros(1, dtype=torch.long), 1.0, 1.0, fmt="fp8")
+
+
+@pytest.mark.parametrize("fmt,kernel", [("e4m3", "cuda"), ("e5m2", "cpu")])
+def test_torch_engine_decodes_through_the_kv_kernel_where_it_runs(fmt, kernel, monkeypatch):
+    """The torch rollout engine's decode step attends through the kernel for every quantized layer (not the
+    high-precision one), each call within the bound of the float64 attention over the same cache; with
+    NEMO_FP8RL_KERNELS=0 it reads the cache back and runs SDPA (no kernel call)."""
+    import importlib
+
+    from nemo_fp8rl.config.model import ModelConfig
+    from nemo_fp8rl.fp8.kv_cache import KvScales
+    from nemo_fp8rl.rollout import SamplingParams
+    from nemo_fp8rl.rollout.torch_engine import TorchRolloutEngine
+    from tests.rollout.conftest import random_hf_weights
+
+    cfg = ModelConfig(name="kv", vocab_size=32, num_layers=3, hidden_size=64, num_attention_heads=4,
+                      num_query_groups=2, ffn_hidden_size=128, seq_length=80)
+    scales = KvScales(torch.tensor([0.03, 0.05, 0.02]), torch.tensor([0.011, 0.013, 0.02]),
+                      torch.tensor([0.007, 0.009, 0.03]))
+    kvmod = importlib.import_module("nemo_fp8rl.fp8.kernels.kv_attention")
+    real = kvmod.decode_attention
+    calls = []
+
+    def checked(q, k_codes, v_codes, positions, ks, vs, fmt_, sm_scale=None):
+        o = real(q, k_codes, v_codes, positions, ks, vs, fmt_, sm_scale)
+        want, bound = kernels.kv_ops().decode_reference(q.float(), k_codes, v_codes, positions, ks, vs, fmt_,
+                                        1.0 / math.sqrt(q.shape[-1]))
+        assert bool(((o.double() - want).abs().amax(-1) <= bound).all())
+        calls.append((ks, vs))
+        return o
+
+    monkeypatch.setattr(kvmod, "decode_attention", checked)
+    e = TorchRolloutEngine(cfg, fp8_scheme="off", eos_id=2, pad_id=0, kv_cache=fmt, kv_kernel=kernel,
+                           high_precision_layers=(1,))
+    e.update_weights(random_hf_weights(cfg, seed=0, logit_scale=4.0), kv_scales=scales)
+    prompts = [[1, 3, 4, 5, 6], [1, 7], [1, 8, 9, 10, 11, 12, 13]]
+    sp = SamplingParams(max_new_tokens=6, stop_on_eos=False)
+    out = e.generate(prompts, sp, torch.Generator().manual_seed(0))
+    steps = 5  # the first new token comes from the prefill
+    assert calls == [scales.layer(0)[1:], scales.layer(2)[1:]] * steps
+    assert out.tokens.shape[0] == 3
+    monkeypatch.setenv("NEMO_FP8RL_KERNELS", "0")
+    e.generate(prompts, sp, torch.Generator().manual_seed(0))
+    assert len(calls) == 2 * steps

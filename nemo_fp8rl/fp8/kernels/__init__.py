@@ -2,7 +2,8 @@
 
 ``quantize.py`` stays the definition; the kernels here produce the same bits faster on a GPU
 (``cast_transpose.py``: every FP8 layout of a GEMM operand from one read; ``vllm_quant.py``: the rollout's
-per-token and per-group activation quantizers in one launch). They need Triton and a CUDA
+per-token and per-group activation quantizers in one launch; ``kv_attention.py``: decode attention reading
+the FP8 KV cache's codes, equal to the reference within float32 rounding rather than bit for bit). They need Triton and a CUDA
 device; on a CPU they run only in Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use to
 check them bit for bit against the reference. Everything else (a CPU-only install, an old GPU, no Triton)
 keeps the eager/compiled quantizer: :func:`kernel_unavailable` says why, once per reason.
@@ -65,4 +66,10 @@ def vllm_ops():
     return importlib.import_module("nemo_fp8rl.fp8.kernels.vllm_quant")
 
 
-__all__ = ["interpreting", "kernel_unavailable", "ops", "vllm_ops"]
+def kv_ops():
+    """Decode attention over an FP8 KV cache (``kv_attention``: the codes dequantized per block inside the
+    kernel); call only after :func:`kernel_unavailable` said None."""
+    return importlib.import_module("nemo_fp8rl.fp8.kernels.kv_attention")
+
+
+__all__ = ["interpreting", "kernel_unavailable", "kv_ops", "ops", "vllm_ops"]
