@@ -231,6 +231,7 @@ def check_hf_state_dict(shape: ModelShape, sd: Mapping[str, torch.Tensor]) -> in
             f"unexpected keys ({len(extra)}): {extra} (check model.qk_layernorm, model.add_qkv_bias, "
             "model.add_bias_linear, model.untie_embeddings_and_output_weights, model.num_layers)"
         )
+    flags = []
     for k, v in sd.items():
         exp = want.get(k, optional.get(k))
         if exp is None:
@@ -238,21 +239,37 @@ def check_hf_state_dict(shape: ModelShape, sd: Mapping[str, torch.Tensor]) -> in
         problem = _check_tensor(k, v, exp)
         if problem:
             problems.append(problem)
+        else:
+            flags.append((k, torch.isfinite(v).all()))
+    problems += [f"{k}: contains NaN or Inf" for k in _nonfinite(flags)]
     if problems:
         raise ValueError("weight sync rejected:\n  " + "\n  ".join(problems))
     return rows
 
 
 def _check_tensor(name: str, v: Any, exp: tuple[int, ...]) -> str | None:
-    """The problem with one synced tensor (not a floating tensor, wrong shape, non-finite), or None."""
+    """The problem with one synced tensor (not a floating tensor, wrong shape), or None. Finiteness is
+    checked apart (:func:`_nonfinite`), all tensors of a sync at once."""
     if not isinstance(v, torch.Tensor) or not torch.is_floating_point(v):
         return (f"{name}: expected a floating-point tensor, got {type(v).__name__}"
                 + (f" of dtype {v.dtype}" if isinstance(v, torch.Tensor) else ""))
     if tuple(v.shape) != exp:
         return f"{name}: shape {tuple(v.shape)}, expected {exp}"
-    if not bool(torch.isfinite(v).all()):
-        return f"{name}: contains NaN or Inf"
     return None
+
+
+def _nonfinite(flags: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names whose flag ``torch.isfinite(t).all()`` (a 0-d bool tensor, still on the tensor's device) is
+    False, read with one host sync per device for the whole sync rather than one per tensor (issue 39: a
+    GPU sync of a Qwen3-8B streams ~400 tensors)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, f in flags:
+        by_device.setdefault(f.device, []).append((name, f))
+    bad = []
+    for pairs in by_device.values():
+        ok = torch.stack([f for _, f in pairs]).tolist()
+        bad += [name for (name, _), good in zip(pairs, ok) if not good]
+    return bad
 
 
 def checked_weight_stream(shape: ModelShape, weights: WeightsArg) -> Iterator[tuple[str, torch.Tensor]]:
@@ -261,17 +278,22 @@ def checked_weight_stream(shape: ModelShape, weights: WeightsArg) -> Iterator[tu
     ``weights`` is a full state dict (checked at once by :func:`check_hf_state_dict`, so one error lists
     every problem) or a stream of pairs in any order (each pair is checked as it arrives: a known HF name
     not seen before, a floating tensor of the expected shape, finite; after the last pair, every expected
-    name must have come). A stream is never collected: the consumer holds what it keeps, nothing more.
+    name must have come; every tensor finite, read once for the whole stream after its last pair: one host
+    sync per sync, not per tensor). A stream is never collected: the consumer holds what it keeps, nothing
+    more.
     The vocabulary rows V are taken from the first of ``model.embed_tokens.weight`` / ``lm_head.weight``
     to arrive (V >= ``shape.vocab_size``); the other must match. ``lm_head.weight`` is optional when the
-    embeddings are tied. Raises ``ValueError`` ("weight sync rejected: ...") at the first bad pair: the
-    consumer has then seen only part of the new weights and must not be used until a complete sync.
+    embeddings are tied. Raises ``ValueError`` ("weight sync rejected: ...") at the first bad pair, or
+    after the last one for missing names and non-finite tensors (all of them named): the consumer has then
+    seen only part of the new weights, or bad ones, and must not be used until a complete sync
+    (:func:`build_weights` raises before it returns, so an engine keeps its previous weights).
     """
     if isinstance(weights, Mapping):
         check_hf_state_dict(shape, weights)
         yield from weights.items()
         return
     seen: set[str] = set()
+    flags: list[tuple[str, torch.Tensor]] = []
     want: dict[str, tuple[int, ...]] | None = None
     vocab_keys = ("model.embed_tokens.weight", "lm_head.weight")
     for item in weights:
@@ -298,8 +320,13 @@ def checked_weight_stream(shape: ModelShape, weights: WeightsArg) -> Iterator[tu
         problem = _check_tensor(name, v, names[name])
         if problem:
             raise ValueError("weight sync rejected: " + problem)
+        flags.append((name, torch.isfinite(v).all()))
         seen.add(name)
         yield name, v
+    bad = _nonfinite(flags)
+    if bad:
+        raise ValueError(f"weight sync rejected: {len(bad)} tensor(s) contain NaN or Inf: {bad[:8]}"
+                         + (" ..." if len(bad) > 8 else ""))
     required = set(want if want is not None else expected_hf_shapes(shape, 1))
     if shape.tied_embeddings:
         required.discard("lm_head.weight")

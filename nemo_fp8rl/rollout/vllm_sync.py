@@ -84,7 +84,7 @@ def sync_stream(
     """The checked HF pairs of one sync, in the engine's format (FP8 payload when ``block_fp8``).
 
     ``weights``: a state dict (checked here, before the reload starts, so a bad dict leaves the engine
-    untouched, then passed on as is) or a stream (each pair checked as the consumer pulls it).
+    untouched, then passed on as is) or a stream (each pair checked as the consumer pulls it, finiteness after the last pair).
     ``vocab_size``: the rows the engine was built with (the embedding and LM head must match).
     ``tied``: the model ties its LM head to the embedding (``lm_head.weight`` is not sent).
     ``block_fp8``: ``rollout.fp8.scheme=vllm_block``: linears as E4M3 + ``weight_scale_inv``, quantized on

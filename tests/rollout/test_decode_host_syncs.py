@@ -142,3 +142,32 @@ def test_sampling_generator_keeps_a_generator_on_the_engines_device():
     g = torch.Generator().manual_seed(5)
     state = g.get_state()
     assert sampling_generator(g, "cpu") is g and torch.equal(g.get_state(), state)  # CPU: nothing drawn
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_weight_sync_checks_finiteness_with_one_host_read_whatever_the_depth(stream):
+    """The finiteness check of a weight sync reads one flag vector for the whole sync, not one bool per tensor
+    (issue 39: ~400 syncs for a Qwen3-8B on a GPU); a non-finite stream is still refused, after its last pair,
+    naming every bad tensor."""
+    from nemo_fp8rl.rollout.model import ModelShape, checked_weight_stream
+
+    counts = []
+    for layers in (2, 6):
+        cfg = ModelConfig(name="qwen2", **dict(CONFIGS["qwen2"], num_layers=layers))
+        sd = random_hf_weights(cfg, seed=1)
+        c = _CountSyncs()
+        with c:
+            got = list(checked_weight_stream(ModelShape.from_config(cfg), iter(sd.items()) if stream else sd))
+        assert [k for k, _ in got] == list(sd)
+        counts.append(len(c.calls))
+    assert counts == [1, 1]
+    bad = dict(sd)
+    bad["model.layers.3.mlp.up_proj.weight"] = bad["model.layers.3.mlp.up_proj.weight"].clone()
+    bad["model.layers.3.mlp.up_proj.weight"][2, 5] = float("inf")
+    bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("nan"))
+    seen = []
+    with pytest.raises(ValueError, match="NaN or Inf") as ei:
+        for name, _ in checked_weight_stream(ModelShape.from_config(cfg), iter(bad.items()) if stream else bad):
+            seen.append(name)
+    assert "model.layers.3.mlp.up_proj.weight" in str(ei.value) and "model.norm.weight" in str(ei.value)
+    assert seen == ([] if not stream else list(bad))  # a dict is refused up front, a stream after its last pair
