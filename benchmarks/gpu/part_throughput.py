@@ -181,13 +181,23 @@ def _torchao_linear(recipe_name: str, shape_name: str, n: int, k: int, device: s
 
 
 def _kernel_configs(device: str) -> dict:
-    """The launch configurations the Triton kernels picked in this process (``cast_transpose._config``)."""
+    """The launch configurations the Triton kernels picked in this process (``cast_transpose._config``,
+    ``block_gemm._gemm_config``) and blockwise_hybrid's backward GEMMs (``block_gemm.hybrid_uses_fp8_gemm``)."""
     from nemo_fp8rl.fp8 import kernels
 
     if kernels.kernel_unavailable(device):
         return {}
-    return {f"{kind}@{dev}": list(c) if isinstance(c, tuple) else c
-            for (kind, dev), c in kernels.ops().tuned_configs().items()}
+    out = {f"{kind}@{dev}": list(c) if isinstance(c, tuple) else c
+           for (kind, dev), c in kernels.ops().tuned_configs().items()}
+    bg = kernels.block_gemm_ops()
+    for dev, c in bg._CHOSEN.items():
+        out[f"block_gemm@{dev}"] = list(c)
+    for key, v in bg.hybrid_choice().items():  # blockwise_hybrid's backward: FP8 block GEMM or bf16, and why
+        if isinstance(key, tuple):
+            out[f"hybrid_backward_ms@{key[0]} (fp8 block GEMM, bf16)"] = [round(t, 3) for t in v]
+        else:
+            out[f"hybrid_backward@{key}"] = "fp8 block GEMM" if v else "bf16 GEMMs"
+    return out
 
 
 def _auto_rows(res: dict, labels: list, dry: bool) -> dict:

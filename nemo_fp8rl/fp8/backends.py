@@ -32,9 +32,10 @@ any other:
   counted by the converter.
 
   Per GEMM (:func:`kernel_refusal`): torch's 1x128/128x128 ("DeepSeek") kernels take E4M3 x E4M3 only,
-  so under ``blockwise`` + ``hybrid`` the dgrad and wgrad GEMMs (an E5M2 gradient operand) run as a
-  float32 GEMM of the dequantized operands, the emulation's numbers, counted in
-  :func:`gemm_fallbacks` and logged once per reason; the forward GEMM stays on the kernel.
+  so under ``blockwise`` + ``hybrid`` the dgrad and wgrad GEMMs (an E5M2 gradient operand) run on our
+  Triton block-scaled GEMM where Triton runs (``kernels/block_gemm.py``), else as a float32 GEMM of the
+  dequantized operands, the emulation's numbers, counted in :func:`gemm_fallbacks` and logged once per
+  reason; the forward GEMM stays on torch's kernel.
 
   Output dtype (:func:`kernel_out_dtype`): a bf16/fp16 model gets its own dtype from the kernel. A
   float32 request (a float32 model, and every wgrad: main grads are float32) gets float32 where the
@@ -434,6 +435,22 @@ def _kernel_takes_bias(granularity, kernel_dtype: torch.dtype, bias: Optional[to
             and bias.dtype == kernel_dtype)
 
 
+def _block_e5m2_on_triton(a: QuantizedOperand, b: QuantizedOperand) -> bool:
+    """A 1x128 x (128x128 | 1x128) GEMM with an E5M2 operand, where the Triton block-scaled GEMM runs
+    (``kernels/block_gemm.py``: CUDA with Triton; the interpreter in tests)."""
+    def gran(op):
+        return tuple(op.granularity) if isinstance(op.granularity, (tuple, list)) else op.granularity
+
+    if gran(a) != (1, 128) or gran(b) not in ((1, 128), (128, 128)):
+        return False
+    if a.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.data.dtype not in (
+            torch.float8_e4m3fn, torch.float8_e5m2):
+        return False
+    from nemo_fp8rl.fp8 import kernels
+
+    return kernels.kernel_unavailable(a.data.device) is None
+
+
 def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype, fast_accum: bool = False,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """C [M, N] = A_hat @ B_hat^T (+ bias [N]) in ``out_dtype``, on torch's FP8 GEMM (A [M, K], B [N, K]
@@ -444,9 +461,15 @@ def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype
     row-wise scaling only; ignored for block scaling, which torch refuses, and on CPU). ``bias``: added
     by the kernel where torch allows it (:func:`_kernel_takes_bias`), else added to the output in
     ``out_dtype``. Operands torch refuses (:func:`kernel_refusal`) are multiplied in float32 from their
-    dequantized values instead, counted in :func:`gemm_fallbacks`.
+    dequantized values instead, counted in :func:`gemm_fallbacks`, except block-scaled ones with an E5M2
+    operand where Triton runs: those go to ``kernels/block_gemm.py``'s FP8 GEMM.
     """
     why = kernel_refusal(a, b)
+    if why and _block_e5m2_on_triton(a, b):
+        from nemo_fp8rl.fp8 import kernels
+
+        out = kernels.block_gemm_ops().block_scaled_mm(a, b, out_dtype)
+        return out if bias is None else out + bias.to(out_dtype)
     if why:
         _count_fallback(why)
         out = a.dequantize() @ b.dequantize().t()  # float32, as the emulation multiplies the same FP8 values

@@ -10,7 +10,9 @@ model dtype and adds the bias in its epilogue where torch allows it; the backwar
 gradient from its own dtype; dgrad writes the model dtype; wgrad asks for float32 (main grads are
 float32), which the kernel writes where it can (``backends.kernel_out_dtype``). A GEMM whose operands
 torch's kernels refuse (blockwise with E5M2 gradients: dgrad and wgrad under ``fp8_format=hybrid``)
-runs in float32 on the dequantized operands, the emulation's numbers (``backends.kernel_refusal``).
+runs on the Triton block-scaled GEMM where Triton runs (``kernels/block_gemm.py``: FP8 MMA promoted to
+float32 every 32 products, Hopper's instruction), else in float32 on the dequantized operands, the
+emulation's numbers (``backends.kernel_refusal``).
 
 Accumulation: the forward GEMM uses fast (un-promoted) accumulation when :func:`forward_fast_accum`
 says so, dgrad and wgrad always accumulate in full precision (Transformer Engine's split: only the
@@ -189,7 +191,8 @@ def hybrid_blockwise_refusal(recipe: Fp8Recipe) -> Optional[str]:
     """The torch backend's rule for ``blockwise`` + ``fp8_format=hybrid`` (E5M2 gradients).
 
     torch's 1x128/128x128 kernels take E4M3 x E4M3 only, so the dgrad and wgrad GEMMs of E5M2 gradients
-    run as bf16 GEMMs of the dequantized operands. That is exact only with power-of-two scales: an FP8
+    run on our Triton block-scaled GEMM or, where that is slower (:func:`_bf16_backward`, decided at run
+    time), as bf16 GEMMs of the dequantized operands. The latter is exact only with power-of-two scales: an FP8
     value (<= 4 significant bits) times 2^k is a bf16 value (8 bits) unless it falls below bf16's
     subnormal range (a 1x128 group whose amax is under ~1e-31). With float32 scales it is not, and the
     only exact alternative is a float32 GEMM ~10x slower than BF16: refused (None: allowed).
@@ -214,7 +217,7 @@ def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8
     fmt = recipe.format_for("weight").name
     stats = state.stats if state is not None else None
     if recipe.scaling == "blockwise":
-        hybrid = recipe.block_e5m2_grads
+        hybrid = _bf16_backward(recipe, weight.device)
         (q, s), bwd = ops.cast_weight_tiles(weight, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
                                             transpose_bf16=hybrid, stats=stats)
         fwd = QuantizedOperand(q, s, (128, 128), prepared=True)
@@ -232,6 +235,16 @@ def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8
     if meta is not None and record:
         meta.record_and_update(amax, recipe, "weight")
     return QuantizedOperand(q, sinv, "tensor", prepared=True), QuantizedOperand(qt, sinv, "tensor", prepared=True)
+
+
+def _bf16_backward(recipe: Fp8Recipe, device) -> bool:
+    """``blockwise`` + ``hybrid`` whose dgrad and wgrad run as bf16 GEMMs of the dequantized operands (exact with
+    power-of-two scales) rather than on the Triton block-scaled FP8 GEMM (``kernels/block_gemm.py``, which takes
+    the E5M2 gradient that torch's kernels refuse): whichever was faster on this GPU, decided once per process
+    (``block_gemm.hybrid_uses_fp8_gemm``, ``NEMO_FP8RL_HYBRID_GEMM``). False for every other recipe."""
+    if not recipe.block_e5m2_grads:
+        return False
+    return not kernels.block_gemm_ops().hybrid_uses_fp8_gemm(torch.device(device))
 
 
 def _unpack(op) -> tuple:
@@ -256,9 +269,11 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
     rowwise: one scale per row of x, dy and W (fprop, dgrad's dy) and per column (x^T, dy^T: wgrad's,
     W^T: dgrad's), both layouts from one amax pass (rows and columns) and one cast pass.
     blockwise: 1x128 groups of both layouts from one 128x128 tile read (x^T's groups run along the
-    tokens, padded to 128), 128x128 weight tiles. blockwise + hybrid: the forward is E4M3 x E4M3 on the
-    kernel; dgrad and wgrad multiply the dequantized E5M2 gradient and E4M3 operands in bf16 (exact
-    with power-of-two scales: :func:`hybrid_blockwise_refusal`), fp32 accumulation as in the FP8 kernel.
+    tokens, padded to 128), 128x128 weight tiles. blockwise + hybrid: the forward is E4M3 x E4M3 on torch's
+    kernel; dgrad and wgrad multiply the E5M2 gradient with the E4M3 operands either on the Triton
+    block-scaled FP8 GEMM (``kernels/block_gemm.py``, through ``scaled_gemm``) or as bf16 GEMMs of their
+    dequantized values (exact with power-of-two scales: :func:`hybrid_blockwise_refusal`), whichever was
+    faster on this GPU (:func:`_bf16_backward`).
     """
 
     @staticmethod
@@ -272,7 +287,7 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0] and record, ctx.needs_input_grad[1] and record
         stats = state.stats if state is not None else None
         block = recipe.scaling == "blockwise"
-        hybrid = recipe.block_e5m2_grads
+        hybrid = _bf16_backward(recipe, x.device)
         wq, wq_bwd = cached_weight(state, weight, "kernel", lambda: _weight_layouts(weight, recipe, state, record))
         fmt = recipe.format_for("input").name
         if block:

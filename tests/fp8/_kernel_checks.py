@@ -863,3 +863,136 @@ def test_torch_engine_decodes_through_the_kv_kernel_where_it_runs(fmt, kernel, m
     monkeypatch.setenv("NEMO_FP8RL_KERNELS", "0")
     e.generate(prompts, sp, torch.Generator().manual_seed(0))
     assert len(calls) == 2 * steps
+
+
+# ------------------------------------------------------------------------------------------------------
+# the block-scaled FP8 GEMM that takes E5M2 (kernels/block_gemm.py): blockwise + hybrid's dgrad and wgrad
+# ------------------------------------------------------------------------------------------------------
+
+
+def _block_operands(seed: int, m: int, n: int, k: int, fmt_a: str, fmt_b: str, pow2: bool):
+    """dgrad-like (A = dy [m, k] 1x128, B = W^T [n, k] tiles) and wgrad-like (A = dy^T, B = x^T, both 1x128 along
+    the tokens) prepared operands, as the cast kernels write them, with their readable dequantized values."""
+    from nemo_fp8rl.fp8.backends import QuantizedOperand
+
+    o = kernels.ops()
+    g = torch.Generator().manual_seed(seed)
+    dy = (torch.randn(m, k, generator=g) * torch.logspace(-3, 2, k).pow(0.5)).to(torch.bfloat16)
+    w = (torch.randn(k, n, generator=g) * 0.05).to(torch.bfloat16)  # W [out=k, in=n]: dgrad B = W^T [n, k]
+    grow, gcol = o.cast_transpose_blockwise(dy, fmt_a, pow2=pow2, eps=0.0, row=True, col=True)
+    _, wt = o.cast_weight_tiles(w, fmt_b, pow2=pow2, eps=0.0)
+    x = (torch.randn(m, n, generator=g) * 3).to(torch.bfloat16)
+    _, xcol = o.cast_transpose_blockwise(x, fmt_b, pow2=pow2, eps=0.0, row=False, col=True)
+    dgrad = (QuantizedOperand(grow[0], grow[1], (1, 128), prepared=True, rows=m),
+             QuantizedOperand(wt[0], wt[1], (128, 128), prepared=True))
+    wgrad = (QuantizedOperand(gcol[0], gcol[1], (1, 128), prepared=True),
+             QuantizedOperand(xcol[0], xcol[1], (1, 128), prepared=True))
+    return dgrad, wgrad
+
+
+@pytest.mark.parametrize("fmt_a,fmt_b,pow2", [("e5m2", "e4m3", True), ("e5m2", "e4m3", False),
+                                              ("e4m3", "e4m3", True), ("e5m2", "e5m2", True)])
+def test_block_scaled_gemm_is_within_its_error_bound(fmt_a, fmt_b, pow2):
+    """block_scaled_mm on the cast kernels' prepared operands (dgrad: 1x128 x 128x128 tiles in torch's scale
+    layout; wgrad: 1x128 x 1x128 along a padded token dimension; rows not a multiple of 4, K over several
+    blocks) against the float64 product of the same FP8 values: every element within block_gemm_error_bound,
+    in float32, bf16 and fp16; and the readable (unprepared) layouts give the same bits."""
+    from nemo_fp8rl.fp8.backends import QuantizedOperand
+
+    bg = kernels.block_gemm_ops()
+    for a, b in _block_operands(11, 130, 256, 384, fmt_a, fmt_b, pow2):
+        ah = _dequant_prepared(a)[: a.rows or a.data.shape[0]]
+        bh = _dequant_prepared(b)
+        exact = ah.double() @ bh.double().t()
+        for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = bg.block_scaled_mm(a, b, out_dtype)
+            assert got.shape == exact.shape and got.dtype == out_dtype
+            bound = bg.block_gemm_error_bound(ah, bh, out_dtype)
+            fin = torch.isfinite(got)
+            if out_dtype != torch.float16:
+                assert bool(fin.all())
+            assert bool(((got.double() - exact).abs() <= bound)[fin].all()), (out_dtype, fmt_a, fmt_b)
+        # the readable layouts: scales [rows, K/128] / [N/128, K/128] row-major, data as is
+        kb = a.data.shape[1] // 128
+        plain_a = QuantizedOperand(a.data, a.scale_inv[:, :kb].contiguous(), (1, 128), rows=a.rows)
+        sb = b.scale_inv[:kb].t().contiguous() if b.granularity == (128, 128) else b.scale_inv.contiguous()
+        plain_b = QuantizedOperand(b.data, sb, b.granularity)
+        assert torch.equal(bg.block_scaled_mm(plain_a, plain_b), bg.block_scaled_mm(a, b))
+
+
+def test_block_scaled_gemm_every_tiling_writes_the_same_bits_and_refuses_bad_input():
+    from nemo_fp8rl.fp8.backends import QuantizedOperand
+
+    bg = kernels.block_gemm_ops()
+    (a, b), (aw, bw) = _block_operands(3, 70, 256, 256, "e5m2", "e4m3", True)
+    for x, y in ((a, b), (aw, bw)):
+        outs = [bg.block_scaled_mm(x, y, torch.bfloat16, _config=c) for c in bg.GEMM_CONFIGS]
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        bg.block_scaled_mm(QuantizedOperand(a.data[:, :100], a.scale_inv, (1, 128)),
+                           QuantizedOperand(b.data[:, :100], b.scale_inv, (128, 128)))
+    with pytest.raises(ValueError, match="granularity"):
+        bg.block_scaled_mm(QuantizedOperand(a.data, a.scale_inv, "tensor"), b)
+    with pytest.raises(ValueError, match="out_dtype"):
+        bg.block_scaled_mm(a, b, torch.float64)
+
+
+def test_block_scaled_gemm_bound_catches_a_wrong_scale():
+    """The bound is tight enough to see one K block's scale read from the neighbouring block."""
+    from nemo_fp8rl.fp8.backends import QuantizedOperand
+
+    bg = kernels.block_gemm_ops()
+    (a, b), _ = _block_operands(5, 64, 256, 384, "e5m2", "e4m3", False)
+    ah, bh = _dequant_prepared(a)[: a.rows], _dequant_prepared(b)
+    s = a.scale_inv.clone()
+    s[:, [0, 1]] = s[:, [1, 0]]
+    got = bg.block_scaled_mm(QuantizedOperand(a.data, s, (1, 128), prepared=True, rows=a.rows), b)
+    bound = bg.block_gemm_error_bound(ah, bh)
+    assert not bool(((got.double() - ah.double() @ bh.double().t()).abs() <= bound).all())
+
+
+def test_hybrid_blockwise_runs_its_backward_on_the_fp8_block_gemm(monkeypatch):
+    """NEMO_FP8RL_HYBRID_GEMM=fp8: blockwise + hybrid saves FP8 layouts (not bf16 copies) and runs dgrad and wgrad
+    on block_scaled_mm (E5M2 dy x E4M3 W^T / x^T), within twice gemm_error_bound of the emulation, in the
+    parameter's dtype; the forward stays on the (here: readable) E4M3 GEMM. =bf16 keeps the bf16 GEMMs."""
+    from nemo_fp8rl.fp8 import backends, quantize_operand, torch_linear
+
+    bg = kernels.block_gemm_ops()
+    calls = []
+    real_mm = bg.block_scaled_mm
+    monkeypatch.setattr(bg, "block_scaled_mm", lambda a, b, *r, **kw: (calls.append((a.data.dtype, b.data.dtype)),
+                                                                       real_mm(a, b, *r, **kw))[1])
+    real_gemm = backends.scaled_gemm
+
+    def gemm(a, b, out_dtype, fast_accum=False, bias=None):
+        if torch.float8_e5m2 in (a.data.dtype, b.data.dtype):
+            return real_gemm(a, b, out_dtype, fast_accum, bias)  # -> block_scaled_mm
+        out = _dequant_prepared(a) @ _dequant_prepared(b).t()
+        out = out[: a.rows] if a.rows is not None else out
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+
+    monkeypatch.setattr(torch_linear, "scaled_gemm", gemm)
+    monkeypatch.setenv("NEMO_FP8RL_KERNELS", "interpret")
+    rec = get_recipe("blockwise", fp8_format="hybrid")
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    x = (torch.randn(130, 384, generator=g) * 2).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(130, 256, generator=g).to(torch.bfloat16)
+    got = {}
+    for mode in ("fp8", "bf16"):
+        monkeypatch.setenv("NEMO_FP8RL_HYBRID_GEMM", mode)
+        y = torch_linear._Fp8KernelLinearFn.apply(x, w, None, rec, Fp8LinearState(rec), True)
+        got[mode] = [y, *torch.autograd.grad(y, (x, w), dy)]
+    assert calls == [(torch.float8_e5m2, torch.float8_e4m3fn)] * 2  # dgrad, wgrad; none under bf16
+    st = Fp8LinearState(rec)
+    hats = [(quantize_operand(x, "input", 1, rec, st, False), quantize_operand(w, "weight", 1, rec, st, False)),
+            (quantize_operand(dy, "grad_output", 1, rec, st, False), quantize_operand(w, "weight", 0, rec, st, False).t()),
+            (quantize_operand(dy, "grad_output", 0, rec, st, False).t(), quantize_operand(x, "input", 0, rec, st, False).t())]
+    for i, ((a, b), out, ref) in enumerate(zip(hats, got["fp8"], got["bf16"])):
+        assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
+        bound = backends.gemm_error_bound(a, b, torch.bfloat16) + kernels.block_gemm_ops().block_gemm_error_bound(
+            a, b, torch.bfloat16)
+        assert bool(((out.double() - ref.double()).abs() <= bound).all()), f"output {i}"
+    monkeypatch.setenv("NEMO_FP8RL_HYBRID_GEMM", "sometimes")
+    with pytest.raises(ValueError, match="NEMO_FP8RL_HYBRID_GEMM"):
+        torch_linear._Fp8KernelLinearFn.apply(x, w, None, rec, Fp8LinearState(rec), True)

@@ -2,7 +2,8 @@
 
 ``quantize.py`` stays the definition; the kernels here produce the same bits faster on a GPU
 (``cast_transpose.py``: every FP8 layout of a GEMM operand from one read; ``vllm_quant.py``: the rollout's
-per-token and per-group activation quantizers in one launch; ``kv_attention.py``: decode attention reading
+per-token and per-group activation quantizers in one launch; ``block_gemm.py``: a 1x128 / 128x128
+block-scaled GEMM that takes E5M2 operands, which torch's does not; ``kv_attention.py``: decode attention reading
 the FP8 KV cache's codes, equal to the reference within float32 rounding rather than bit for bit). They need Triton and a CUDA
 device; on a CPU they run only in Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use to
 check them bit for bit against the reference. Everything else (a CPU-only install, an old GPU, no Triton)
@@ -66,10 +67,16 @@ def vllm_ops():
     return importlib.import_module("nemo_fp8rl.fp8.kernels.vllm_quant")
 
 
+def block_gemm_ops():
+    """The block-scaled FP8 GEMM that takes E5M2 operands (``block_gemm``: ``blockwise`` + ``hybrid``'s dgrad and
+    wgrad); call only after :func:`kernel_unavailable` said None."""
+    return importlib.import_module("nemo_fp8rl.fp8.kernels.block_gemm")
+
+
 def kv_ops():
     """Decode attention over an FP8 KV cache (``kv_attention``: the codes dequantized per block inside the
     kernel); call only after :func:`kernel_unavailable` said None."""
     return importlib.import_module("nemo_fp8rl.fp8.kernels.kv_attention")
 
 
-__all__ = ["interpreting", "kernel_unavailable", "kv_ops", "ops", "vllm_ops"]
+__all__ = ["block_gemm_ops", "interpreting", "kernel_unavailable", "kv_ops", "ops", "vllm_ops"]
