@@ -437,7 +437,8 @@ def _kernel_takes_bias(granularity, kernel_dtype: torch.dtype, bias: Optional[to
 
 def _block_e5m2_on_triton(a: QuantizedOperand, b: QuantizedOperand) -> bool:
     """A 1x128 x (128x128 | 1x128) GEMM with an E5M2 operand, where the Triton block-scaled GEMM runs
-    (``kernels/block_gemm.py``: CUDA with Triton; the interpreter in tests)."""
+    (``kernels/block_gemm.py``: CUDA with Triton; the interpreter in tests) and was chosen
+    (``block_gemm.hybrid_uses_fp8_gemm``)."""
     def gran(op):
         return tuple(op.granularity) if isinstance(op.granularity, (tuple, list)) else op.granularity
 
@@ -448,7 +449,10 @@ def _block_e5m2_on_triton(a: QuantizedOperand, b: QuantizedOperand) -> bool:
         return False
     from nemo_fp8rl.fp8 import kernels
 
-    return kernels.kernel_unavailable(a.data.device) is None
+    # the same run-time choice as the kernel path's (a GPU where the Triton GEMM failed or was slower keeps
+    # the float32 fallback below, counted)
+    return (kernels.kernel_unavailable(a.data.device) is None
+            and kernels.block_gemm_ops().hybrid_uses_fp8_gemm(a.data.device))
 
 
 def scaled_gemm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype, fast_accum: bool = False,
