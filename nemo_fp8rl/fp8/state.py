@@ -27,10 +27,25 @@ class DelayedScalingMeta:
         self.amax_history = torch.zeros(history_len, dtype=torch.float32)
         self.scale = torch.ones((), dtype=torch.float32)
 
-    def record_and_update(self, amax: torch.Tensor, recipe: Fp8Recipe, role: str) -> None:
+    def record_and_update(self, amax: torch.Tensor, recipe: Fp8Recipe, role: str,
+                          nonfinite: Optional[torch.Tensor] = None) -> None:
+        """Record ``amax`` (one float element) and compute the next scale (class docstring); ``nonfinite``: an
+        int64 [] counter (``Fp8Stats.nonfinite_amax``) that gains 1 when the amax is inf or NaN (the kernel path
+        counts it in the same launch)."""
         if self.amax_history.device != amax.device:
             self.amax_history = self.amax_history.to(amax.device)
             self.scale = self.scale.to(amax.device)
+        from nemo_fp8rl.fp8 import kernels
+
+        if kernels.kernel_unavailable(amax.device) is None:
+            # one Triton launch for what follows (~25 small ops, each a kernel launch on a GPU); the same bits
+            self.amax_history, self.scale = kernels.ops().delayed_update(
+                self.amax_history, amax, recipe.format_for(role).name,
+                most_recent=recipe.amax_compute_algo == "most_recent", margin=recipe.margin, pow2=recipe.pow2_scales,
+                eps=recipe.amax_epsilon, nonfinite=nonfinite)
+            return
+        if nonfinite is not None:
+            nonfinite += (~torch.isfinite(amax.reshape(()))).to(torch.int64)
         hist = self.amax_history.clone()
         hist[0] = amax.float()
         ref = hist[0] if recipe.amax_compute_algo == "most_recent" else hist.max()

@@ -230,11 +230,18 @@ def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8
         return (QuantizedOperand(q, s.view(1, -1), "row", prepared=True),
                 QuantizedOperand(qt, st.view(1, -1), "row", prepared=True))
     meta, scale = _delayed_scale(weight, "weight", recipe, state)
+    rec_amax = meta is not None and record  # then the update's launch counts a non-finite amax
     q, qt, sinv, amax = ops.cast_transpose_tensorwise(weight, fmt, scale=scale, pow2=recipe.pow2_scales,
-                                                     eps=recipe.amax_epsilon, col_pad=1, stats=stats)
-    if meta is not None and record:
-        meta.record_and_update(amax, recipe, "weight")
+                                                     eps=recipe.amax_epsilon, col_pad=1, stats=stats,
+                                                     count_nonfinite=not rec_amax)
+    if rec_amax:
+        meta.record_and_update(amax, recipe, "weight", _nonfinite_counter(stats))
     return QuantizedOperand(q, sinv, "tensor", prepared=True), QuantizedOperand(qt, sinv, "tensor", prepared=True)
+
+
+def _nonfinite_counter(stats) -> Optional[torch.Tensor]:
+    """``stats.nonfinite_amax`` (int64 []) where counters are kept, else None."""
+    return stats.nonfinite_amax if stats is not None else None
 
 
 def _bf16_backward(recipe: Fp8Recipe, device) -> bool:
@@ -303,11 +310,12 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
             x_saved = QuantizedOperand(xcol[0], xcol[1].view(1, -1), "row", prepared=True) if xcol is not None else None
         else:
             meta, scale = _delayed_scale(x2, "input", recipe, state)
+            rec_amax = meta is not None and record
             q, qt, sinv, amax = ops.cast_transpose_tensorwise(x2, fmt, scale=scale, pow2=recipe.pow2_scales,
                                                              eps=recipe.amax_epsilon, write_col=need_wgrad,
-                                                             col_pad=16, stats=stats)
-            if meta is not None and record:
-                meta.record_and_update(amax, recipe, "input")
+                                                             col_pad=16, stats=stats, count_nonfinite=not rec_amax)
+            if rec_amax:
+                meta.record_and_update(amax, recipe, "input", _nonfinite_counter(stats))
             xq = QuantizedOperand(q, sinv, "tensor", prepared=True)
             x_saved = QuantizedOperand(qt, sinv, "tensor", prepared=True) if qt is not None else None
         y = scaled_gemm(xq, wq, out_dtype, fast_accum=forward_fast_accum(recipe), bias=bias)
@@ -363,9 +371,10 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
             meta, scale = _delayed_scale(g, "grad_output", recipe, state)
             q, qt, sinv, amax = ops.cast_transpose_tensorwise(g, fmt, scale=scale, pow2=recipe.pow2_scales,
                                                              eps=recipe.amax_epsilon, write_row=need_dgrad,
-                                                             write_col=need_wgrad, col_pad=16, stats=stats)
+                                                             write_col=need_wgrad, col_pad=16, stats=stats,
+                                                             count_nonfinite=meta is None)
             if meta is not None:
-                meta.record_and_update(amax, recipe, "grad_output")
+                meta.record_and_update(amax, recipe, "grad_output", _nonfinite_counter(stats))
             if need_dgrad:
                 grad_x = scaled_gemm(QuantizedOperand(q, sinv, "tensor", prepared=True), w_saved,
                                      _gemm_out_dtype(ctx.x_dtype))

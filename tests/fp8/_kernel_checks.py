@@ -996,3 +996,76 @@ def test_hybrid_blockwise_runs_its_backward_on_the_fp8_block_gemm(monkeypatch):
     monkeypatch.setenv("NEMO_FP8RL_HYBRID_GEMM", "sometimes")
     with pytest.raises(ValueError, match="NEMO_FP8RL_HYBRID_GEMM"):
         torch_linear._Fp8KernelLinearFn.apply(x, w, None, rec, Fp8LinearState(rec), True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# delayed scaling's update in one launch (cast_transpose.delayed_update)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("fmt,pow2,margin,eps,hist_len", [("e4m3", False, 0, 0.0, 16), ("e4m3", True, 2, 0.0, 1),
+                                                          ("e5m2", False, 1, 1e-12, 5), ("e5m2", True, 0, 0.0, 1024)])
+def test_delayed_update_kernel_is_the_meta_update(monkeypatch, algo, fmt, pow2, margin, eps, hist_len):
+    """DelayedScalingMeta.record_and_update through the kernel (one launch) and through torch's ops: the same
+    history and scale bits after every one of 40 updates with amaxes that are ordinary, 0, tiny (an infinite
+    scale, capped), huge, inf and NaN (a NaN stays in the history: max is NaN until it rolls out)."""
+    from nemo_fp8rl.fp8.state import DelayedScalingMeta
+
+    rec = get_recipe("delayed", fp8_format="e5m2" if fmt == "e5m2" else "e4m3", amax_compute_algo=algo,
+                     margin=margin, pow2_scales=pow2, amax_epsilon=eps, amax_history_len=hist_len)
+    g = torch.Generator().manual_seed(hist_len)
+    amaxes = list((torch.rand(40, generator=g) * 10.0 ** torch.randint(-6, 6, (40,), generator=g)).tolist())
+    for i, v in zip((3, 7, 11, 15, 19, 23), (0.0, 1e-45, 3e38, float("inf"), float("nan"), 2.0**-130)):
+        amaxes[i] = v
+    metas = {mode: DelayedScalingMeta(hist_len) for mode in ("interpret", "0")}
+    calls = []
+    real = kernels.ops().delayed_update
+    monkeypatch.setattr(kernels.ops(), "delayed_update", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    for step, a in enumerate(amaxes):
+        for mode, meta in metas.items():
+            monkeypatch.setenv("NEMO_FP8RL_KERNELS", mode)
+            meta.record_and_update(torch.tensor(a, dtype=torch.float32), rec, "input")
+        k, t = metas["interpret"], metas["0"]
+        assert _same(k.amax_history, t.amax_history) and _same(k.scale, t.scale), (step, a)
+        assert k.scale.shape == () and k.amax_history.shape == (hist_len,)
+    assert len(calls) == len(amaxes)
+
+
+def test_delayed_linear_adds_no_torch_ops_to_tensorwise(monkeypatch):
+    """On the kernel path a delayed linear's forward + backward runs the same torch ops as tensorwise's, apart from
+    Triton's interpreter's own (buffers and copies): its scale bookkeeping is the one launch per operand above,
+    not ~25 small ops each (issue 38: delayed's host overhead, 46 launches per linear on the H200)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    # allocations, views and the interpreter's copies of kernel arguments: no compute kernel on a GPU
+    noise = {"set_", "empty", "empty_like", "new_empty", "copy_", "view", "detach", "empty_strided", "lift_fresh",
+             "alias"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket).split(".")[-1]
+            if name not in noise:
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv("NEMO_FP8RL_KERNELS", "interpret")
+    counts = {}
+    for name in ("tensorwise", "delayed"):
+        rec = get_recipe(name)
+        w = (torch.randn(128, 64) * 0.05).to(torch.bfloat16).requires_grad_()
+        st = Fp8LinearState(rec)
+        x = torch.randn(32, 64).to(torch.bfloat16).requires_grad_()
+        for _ in range(2):  # the second step: delayed scales from a history
+            c = Count()
+            with c:
+                y = fp8_linear(x, w, None, rec, st, backend="torch")
+                y.backward(torch.ones_like(y))
+        counts[name] = c.ops
+    assert counts["delayed"] == counts["tensorwise"], counts

@@ -371,7 +371,7 @@ def _config(kind: str, dev: torch.device):
 def cast_transpose_tensorwise(
     x: torch.Tensor, fmt: str, *, scale: Optional[torch.Tensor] = None, pow2: bool = False, eps: float = 0.0,
     margin: int = 0, write_row: bool = True, write_col: bool = True, col_pad: int = 16,
-    stats=None, _tiles=None,
+    stats=None, count_nonfinite: bool = True, _tiles=None,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Per-tensor FP8 of x [R, C] in both layouts: ``(q [R, C], qt [C, RT], scale_inv [], amax [])``.
 
@@ -379,7 +379,9 @@ def cast_transpose_tensorwise(
     RT = R rounded up to ``col_pad`` (the wgrad GEMM reduces along them; zeros change no sum). s is the
     current scale of ``compute_scale(amax(x), fmt, margin, pow2, eps)`` or the given delayed ``scale``
     ([] float32); ``amax`` (float32 []) is x's amax either way (delayed scaling records it).
-    ``stats`` (:class:`~nemo_fp8rl.fp8.quantize.Fp8Stats`): counted as the eager quantizer counts.
+    ``stats`` (:class:`~nemo_fp8rl.fp8.quantize.Fp8Stats`): counted as the eager quantizer counts
+    (``count_nonfinite=False``: a given scale's non-finite amax is left to the caller, who counts it in
+    :func:`delayed_update`'s launch).
     Layouts not asked for are None. Two launches for a current scale, one for a given one.
     ``_tiles``: (BLOCK_R, BLOCK_C, num_warps) of the cast kernel, default the tuned one (:func:`_config`).
     """
@@ -413,7 +415,7 @@ def cast_transpose_tensorwise(
         STATS=stats is not None, IN_BF16=x.dtype == torch.bfloat16, BLOCK_R=br, BLOCK_C=bc, num_warps=nw, HW=_HW, **_OPTS,
     )
     amax = amax_bits.view(torch.float32).reshape(())
-    if stats is not None and not current:
+    if stats is not None and not current and count_nonfinite:
         stats.nonfinite_amax += (~torch.isfinite(amax)).to(torch.int64)
     return (q.view(dt) if q is not None else None, qt.view(dt) if qt is not None else None, sinv, amax)
 
@@ -731,3 +733,58 @@ def cast_transpose_rowwise(
         HW=_HW, **_OPTS,
     )
     return ((q.view(dt), sq) if row else None), ((qt.view(dt), sqt) if col else None)
+
+
+# ------------------------------------------------------------------------------------------------------
+# delayed scaling's bookkeeping in one launch
+# ------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _delayed_update_kernel(hist_ptr, amax_ptr, new_hist_ptr, scale_ptr, count_ptr, L, MOST_RECENT: tl.constexpr,
+                           TOP: tl.constexpr, EPS: tl.constexpr, INF_CAP: tl.constexpr, POW2: tl.constexpr,
+                           COUNT: tl.constexpr, BLOCK_L: tl.constexpr):
+    """:func:`delayed_update` in one program: read the history [L] and the amax, write the new scale and the
+    rolled history (another buffer: no thread reads a slot another writes); COUNT: add 1 to the int64 counter
+    when the amax is inf or NaN."""
+    offs = tl.arange(0, BLOCK_L)
+    m = offs < L
+    h = tl.load(hist_ptr + offs, mask=m, other=0.0)
+    a = tl.load(amax_ptr).to(tl.float32)
+    if COUNT:
+        bad = (a != a) | (a == float("inf")) | (a == float("-inf"))
+        tl.store(count_ptr, tl.load(count_ptr) + tl.where(bad, 1, 0).to(tl.int64))
+    h = tl.where(offs == 0, a, h)
+    if MOST_RECENT:
+        ref = a
+    else:  # torch.max: NaN if any entry is NaN
+        nan = tl.max(tl.where(m & (h != h), 1, 0), axis=0)
+        ref = tl.max(tl.where(m, h, float("-inf")), axis=0)
+        ref = tl.where(nan > 0, float("nan"), ref)
+    tl.store(scale_ptr, _scale_of(ref, TOP, EPS, INF_CAP, POW2))
+    tl.store(new_hist_ptr + offs + 1, h, mask=(offs + 1) < L)
+    tl.store(new_hist_ptr + offs, 0.0, mask=offs == 0)
+
+
+def delayed_update(history: torch.Tensor, amax: torch.Tensor, fmt: str, *, most_recent: bool, margin: int = 0,
+                   pow2: bool = False, eps: float = 0.0, nonfinite: Optional[torch.Tensor] = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delayed scaling's update after a quantization, one launch instead of ~25 small torch ops (issue 38:
+    the ``delayed`` recipe's host overhead):
+
+        h = history with h[0] = amax;   ref = amax (most_recent) or max(h) (NaN if any is NaN)
+        scale = compute_scale(ref, fmt, margin, pow2, eps)        (``quantize.py``; float32's max for inf)
+        new_history = roll(h, 1) with new_history[0] = 0
+
+    Shapes: history [L] float32, amax one float element (any float dtype) -> (new_history [L] float32,
+    scale [] float32), on the history's device; the same bits as ``state.DelayedScalingMeta``'s torch ops.
+    ``nonfinite``: an int64 [] counter (``Fp8Stats.nonfinite_amax``) that gains 1 when the amax is inf or NaN."""
+    fmax = _FMT[fmt][0]
+    L = history.numel()
+    new_hist = torch.empty_like(history)
+    scale = torch.empty((), dtype=torch.float32, device=history.device)
+    _delayed_update_kernel[(1,)](
+        history, amax, new_hist, scale, nonfinite if nonfinite is not None else scale, L, MOST_RECENT=most_recent,
+        TOP=fmax * 2.0 ** (-margin), EPS=float(eps), INF_CAP=_FP32_MAX, POW2=bool(pow2), COUNT=nonfinite is not None,
+        BLOCK_L=max(16, triton.next_power_of_2(L)), num_warps=1, **_OPTS)
+    return new_hist, scale
