@@ -347,24 +347,23 @@ def run(ctx) -> dict:
     if why:
         res["rollout_kernels"] = {"skipped": why}
     else:
-        try:
-            res["rollout_kernels"] = _rollout_kernels_equal(x, ctx.device)
-            bad = [k for k, ok in res["rollout_kernels"].items() if not ok]
-            if bad:
-                res["problems"].append(f"rollout activation kernels differ from the CPU's rollout quantizer: {bad}")
-        except Exception as e:  # noqa: BLE001
-            res["rollout_kernels"] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            res["problems"].append(f"rollout activation kernels: {res['rollout_kernels']['error']}")
-        ctx.save()
-        try:
-            res["kv_decode"] = _kv_decode_within_bound(ctx.device)
-            bad = {k: v for k, v in res["kv_decode"].items() if not v <= 1.0}
-            if bad:
-                res["problems"].append(f"FP8 KV decode attention kernel outside its error bound: {bad}")
-        except Exception as e:  # noqa: BLE001
-            res["kv_decode"] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            res["problems"].append(f"FP8 KV decode attention kernel: {res['kv_decode']['error']}")
-        ctx.save()
+        # each check: its result dict, the failing entries, and how a problem reads
+        for key, check, failing, what in (
+                ("rollout_kernels", lambda: _rollout_kernels_equal(x, ctx.device),
+                 lambda r: [k for k, ok in r.items() if not ok],
+                 "rollout activation kernels differ from the CPU's rollout quantizer"),
+                ("kv_decode", lambda: _kv_decode_within_bound(ctx.device),
+                 lambda r: {k: v for k, v in r.items() if not v <= 1.0},
+                 "FP8 KV decode attention kernel outside its error bound")):
+            try:
+                res[key] = check()
+                bad = failing(res[key])
+                if bad:
+                    res["problems"].append(f"{what}: {bad}")
+            except Exception as e:  # noqa: BLE001
+                res[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                res["problems"].append(f"{key}: {res[key]['error']}")
+            ctx.save()
     if res["problems"]:
         res["failed"] = f"{len(res['problems'])} problem(s): {res['problems'][:3]}"
     return res
