@@ -133,11 +133,59 @@ def run(ctx) -> dict:
         except Exception as e:  # noqa: BLE001  (the table is extra: its failure must not lose the timings)
             res["profile_error"] = f"{type(e).__name__}: {e}"[:300]
     ctx.save()
+    if ctx.left() > 10:
+        try:
+            res["kv_decode"] = _kv_decode_times(ctx.device, ctx.dry)
+        except Exception as e:  # noqa: BLE001  (extra as well)
+            res["kv_decode"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        ctx.save()
     # GEMMs torch's kernels refuse (blockwise + hybrid: dgrad and wgrad) were timed as float32 GEMMs
     res["gemm_fallbacks"] = gemm_fallbacks()
     if res["errors"]:
         res["failed"] = f"recipe(s) {sorted(res['errors'])} raised; the others were timed"
     return res
+
+
+KV_DECODE = {"batch": 64, "heads": 32, "kv_heads": 8, "head_dim": 128, "positions": (1024, 4096)}
+"""One decode step's attention of a Qwen3-8B-shaped layer over an E4M3 KV cache (the torch rollout engine)."""
+
+
+def _kv_decode_times(device: str, dry: bool) -> dict:
+    """ms of one layer's decode attention over an E4M3 cache: the Triton kernel that reads the codes
+    (``kernels/kv_attention.py``) against what the engine runs without it (read the prefix back as float32,
+    ``dequantize_kv``, then SDPA with GQA and the ragged mask), at :data:`KV_DECODE`'s prefix lengths."""
+    import torch
+    import torch.nn.functional as F
+
+    from nemo_fp8rl.fp8 import kernels
+    from nemo_fp8rl.fp8.kv_cache import dequantize_kv
+
+    why = kernels.kernel_unavailable(device)
+    if why:
+        return {"skipped": why}
+    c = KV_DECODE
+    B, H, G, hd = (2, 4, 2, 16) if dry else (c["batch"], c["heads"], c["kv_heads"], c["head_dim"])
+    out = {}
+    kv = kernels.kv_ops()
+    for S in ((64,) if dry else c["positions"]):
+        g = torch.Generator(device=device).manual_seed(S)
+        codes = [torch.randint(0, 0x7E, (B, G, S, hd), device=device, dtype=torch.uint8, generator=g) for _ in range(2)]
+        q = torch.randn(B, H, hd, device=device, generator=g)
+        positions = torch.randint(S // 2, S, (B,), device=device, generator=g)
+        mask = (torch.arange(S, device=device)[None, :] <= positions[:, None]).view(B, 1, 1, S)
+
+        def readback():
+            k = dequantize_kv(codes[0].view(torch.float8_e4m3fn), 0.02)
+            v = dequantize_kv(codes[1].view(torch.float8_e4m3fn), 0.03)
+            return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+
+        def kernel():
+            return kv.decode_attention(q, codes[0], codes[1], positions, 0.02, 0.03, "e4m3")
+
+        warm, reps = (0, 1) if dry else (3, 20)
+        t_k, t_r = time_ms(kernel, device, warm, reps), time_ms(readback, device, warm, reps)
+        out[f"S={S}"] = {"kernel_ms": t_k, "readback_sdpa_ms": t_r, "speedup": t_r / t_k}
+    return out
 
 
 def _torchao_available() -> bool:
@@ -356,6 +404,15 @@ def tables(res: dict) -> list[str]:
             lines.append(f"- {what}: {'-' if v is None else f'{v:.2f}'}")
     if res.get("kernel_configs"):
         lines.append(f"\nTriton kernel launch configs picked in this run: {res['kernel_configs']}")
+    kd = res.get("kv_decode") or {}
+    if kd and "skipped" not in kd and "error" not in kd:
+        c = KV_DECODE
+        lines.append(f"\nDecode attention over an E4M3 KV cache, one layer ({c['batch']} rows, {c['heads']} heads on "
+                     f"{c['kv_heads']} KV heads, head size {c['head_dim']}): Triton kernel vs read-back + SDPA, ms: "
+                     + "; ".join(f"{k} {v['kernel_ms']:.3f} vs {v['readback_sdpa_ms']:.3f} ({v['speedup']:.2f}x)"
+                                 for k, v in kd.items()))
+    elif kd:
+        lines.append(f"\nDecode attention over an E4M3 KV cache: {kd.get('skipped') or kd.get('error')}")
     auto = res.get("auto") or {}
     if auto:
         keys = [f"layer@{t}" for t in res.get("tokens", [])]
