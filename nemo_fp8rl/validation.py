@@ -27,6 +27,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     from nemo_fp8rl.fp8 import ROLLOUT_SCHEMES
     from nemo_fp8rl.fp8.recipes import check_fp8_config
     from nemo_fp8rl.rollout.vllm_support import check_rollout_config
+    from nemo_fp8rl.tasks.base import check_task_config
 
     check_values(cfg)
     check_choice("algorithm.rollout_correction", cfg.algorithm.rollout_correction, ROLLOUT_CORRECTION_MODES)
@@ -34,6 +35,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     check_fp8_config(cfg)
     check_choice("rollout.fp8.scheme", cfg.rollout.fp8.scheme, ROLLOUT_SCHEMES)
     check_rollout_config(cfg)
+    check_task_config(cfg)
     return cfg
 
 

@@ -52,6 +52,14 @@ def test_the_penalty_is_refused_where_a_task_has_no_closing_answer_tag(task):
         task_kwargs(_cfg(task, 0.1), task_class(task), seed=0)
     assert "trailing_text_penalty" not in task_kwargs(_cfg(task, 0.0), task_class(task), seed=0)  # off: fine
     assert task_kwargs(_cfg("reasoning_gym", 0.1), task_class("reasoning_gym"), seed=0)["trailing_text_penalty"] == 0.1
+    # and validate() refuses it already, as the launcher validates before a job is queued
+    from nemo_fp8rl.validation import validate
+
+    with pytest.raises(ConfigError, match=r"task.trailing_text_penalty=0.1"):
+        validate(_cfg(task, 0.1))
+    validate(_cfg("reasoning_gym", 0.1))
+    unknown = _cfg("my_own_task", 0.1)  # registered by a user's code before the trainer starts: checked then
+    assert validate(unknown) is unknown
 
 
 def test_the_penalty_lowers_the_reward_of_run_on_responses():
