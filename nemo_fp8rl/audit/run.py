@@ -33,6 +33,19 @@ def _timed(timings: dict, key: str):
         log.info("audit: %s done in %.1f s", key, timings[key])
 
 
+
+def audit_sampling_params(cfg: Any) -> Any:
+    """How the audit samples its high-precision responses: the run's temperature and top-p, at most
+    ``audit.response_len`` tokens; ``audit.eos``: ``ignore`` samples past the end-of-turn token, ``suppress``
+    and ``stop`` stop at it (``suppress`` not before the length: :func:`sample_responses`'s min tokens), and
+    ``stop`` also at the run's ``rollout.stop`` strings, so its response lengths are training's."""
+    from nemo_fp8rl.rollout import SamplingParams
+
+    a = cfg.audit
+    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                          max_new_tokens=a.response_len, stop_on_eos=a.eos != "ignore",
+                          stop=tuple(cfg.rollout.stop) if a.eos == "stop" else ())
+
 def _load_inputs(cfg: Any) -> tuple[Any, Any, Any, list[list[int]]]:
     """(model_cfg, tokenizer, HF-named weights, prompt ids) as the trainer would see them."""
     from nemo_fp8rl.audit.prompts import load_task, prompts_from_file, prompts_from_task
@@ -156,7 +169,6 @@ def run_audit(cfg: Any, command: str = "") -> dict:
     from nemo_fp8rl.audit.scoring import calibrated_kv_scales, score_engine, score_train_recipe
     from nemo_fp8rl.fp8 import fused
     from nemo_fp8rl.fp8.recipes import resolve_auto_recipe
-    from nemo_fp8rl.rollout import SamplingParams
 
     a = check_audit_config(cfg.audit)
     out_dir = Path(a.out or Path(cfg.output_dir) / "audit")
@@ -192,8 +204,7 @@ def run_audit(cfg: Any, command: str = "") -> dict:
     G = a.samples_per_prompt
     expanded = [p for p in prompts for _ in range(G)]
     min_new = a.response_len if a.eos == "suppress" else 0
-    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                            max_new_tokens=a.response_len, stop_on_eos=a.eos != "ignore")
+    params = audit_sampling_params(cfg)
     with _timed(timings, "sample"):
         hp_engine = factory.high_precision()
         batch = sample_responses(hp_engine, expanded, params, torch.Generator().manual_seed(cfg.seed * 1000 + 983),

@@ -44,7 +44,8 @@ class AuditConfig:
     """What the end-of-turn token does while sampling: ignore (sampled like any token, the response goes on:
     vLLM's ignore_eos, how benchmarks get long responses; a chat model then writes new turns, text it finds
     likely) | suppress (never sampled before audit.response_len: vLLM's min_tokens; a small model at
-    temperature 1 drifts into improbable text) | stop (the model's own stopping, response lengths as in training)."""
+    temperature 1 drifts into improbable text) | stop (the model's own stopping and rollout.stop's strings, response
+    lengths as in training)."""
     position_buckets: List[int] = field(default_factory=lambda: [0, 32, 64, 128, 256, 512])
     """Response-position bucket starts for mismatch against length (the last bucket is open-ended)."""
     rank_config: Optional[str] = None

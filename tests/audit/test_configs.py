@@ -118,3 +118,20 @@ def test_layer_ranking_target():
     with pytest.raises(ConfigError, match=r"audit.rank_config='nope' is not in audit.configs"):
         _rank_target(cs, "nope")
     assert _rank_target(cs[-1:], None) is None
+
+
+def test_the_audit_samples_with_the_runs_stop_strings_only_where_it_stops():
+    """audit.eos=stop samples as training does: at the end-of-turn token and at rollout.stop's strings; ignore and
+    suppress run to audit.response_len, so no stop string applies."""
+    from nemo_fp8rl.audit.run import audit_sampling_params
+    from nemo_fp8rl.audit.settings import AuditRunConfig
+
+    cfg = AuditRunConfig()
+    cfg.rollout.stop = ["</answer>"]
+    got = {}
+    for eos in ("ignore", "suppress", "stop"):
+        cfg.audit.eos = eos
+        got[eos] = audit_sampling_params(cfg)
+    assert got["stop"].stop == ("</answer>",) and got["stop"].stop_on_eos
+    assert got["ignore"].stop == got["suppress"].stop == () and not got["ignore"].stop_on_eos
+    assert got["stop"].max_new_tokens == cfg.audit.response_len
