@@ -478,6 +478,7 @@ def test_track_stage_arms_compose_with_pooled_calibration_stop_string_and_recomp
     from nemo_fp8rl.validation import validate
 
     mod = _run_study_module()
+    monkeypatch.setattr(mod, "TRACK_WIDE", {})  # before any calibrated run has set a window
     runs = mod.stage_runs(_stage_args(mod, "stage=track"))
     assert {r["arm"] for r in runs} == {"bf16", "fp8", "fp8_calibrated", "fp8_recompute_tis", "fp8_calibrated_low"}
     assert {r["seed"] for r in runs} == {mod.EXPLORE_SEED}

@@ -340,7 +340,9 @@ TRACK_WIDE: dict[str, tuple[float, float]] = {
 ``clip/lower`` and ``clip/upper`` in force in its seed-1 ``fp8_calibrated`` run (after the first round), filled
 in by hand once that run has finished (``--stage track --report`` prints them). Until then the arm is not
 planned."""
-TRACK_ARM_ORDER = ("bf16", "fp8", "fp8_calibrated", "fp8_recompute_tis", "fp8_calibrated_low", "fp8_fixed_wide")
+TRACK_ARM_ORDER = ("fp8_calibrated", "fp8_fixed_wide", "bf16", "fp8", "fp8_recompute_tis", "fp8_calibrated_low")
+"""The plan's order (docs/results.md): the calibrated run first (its bounds set the fixed window), then that window,
+then the references."""
 
 
 def _last(overrides: list[str], key: str, default: str | None = None) -> str | None:
