@@ -238,13 +238,9 @@ def _kernel_configs(device: str) -> dict:
     out = {f"{kind}@{dev}": list(c) if isinstance(c, tuple) else c
            for (kind, dev), c in kernels.ops().tuned_configs().items()}
     bg = kernels.block_gemm_ops()
-    for dev, c in bg._CHOSEN.items():
-        out[f"block_gemm@{dev}"] = list(c)
-    for key, v in bg.hybrid_choice().items():  # blockwise_hybrid's backward: FP8 block GEMM or bf16, and why
-        if isinstance(key, tuple):
-            out[f"hybrid_backward_ms@{key[0]} (fp8 block GEMM, bf16)"] = [round(t, 3) for t in v]
-        else:
-            out[f"hybrid_backward@{key}"] = "fp8 block GEMM" if v else "bf16 GEMMs"
+    out.update({f"block_gemm@{dev}": list(c) for dev, c in bg.tuned_configs().items()})
+    # blockwise_hybrid's backward: the FP8 block GEMM or bf16 GEMMs, with both times
+    out.update({f"hybrid_backward@{dev}": v for dev, v in bg.hybrid_choice().items()})
     return out
 
 

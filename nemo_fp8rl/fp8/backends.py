@@ -530,14 +530,17 @@ def scaled_mm_kernel(mat_a, mat_b, scale_a, granularity_a, scale_b, granularity_
 
 
 def gemm_error_bound(a_hat: torch.Tensor, b_hat: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-                     fast_accum: bool = False, accumulation_bits: int = 14) -> torch.Tensor:
+                     fast_accum: bool = False, accumulation_bits: int = 14,
+                     promote_every: Optional[int] = None) -> torch.Tensor:
     """Per-element bound on |GEMM(a_hat, b_hat) - exact| for any summation order, [M, N] float64.
 
     a_hat [M, K], b_hat [N, K]: the dequantized FP8 operands as the emulation computes them
     (``data * scale_inv`` in float32). With float32 accumulation in any order (Higham, Thm 3.1):
     |err| <= gamma_K * S, gamma_K = K u / (1 - K u), u = 2^-24, S = sum_k |a_ik| |b_jk|. Fast
     (un-promoted) accumulation truncates to ``accumulation_bits`` significant bits: u_acc =
-    2^-(bits-1) in place of u. A kernel that multiplies the scales in after the sum (torch) instead of
+    2^-(bits-1) in place of u; with ``promote_every`` = c the truncated sums run over chunks of c products
+    only, added in float32 (Hopper's FP8 MMA promoted after each instruction, ``kernels/block_gemm.py``):
+    c u_acc / (1 - c u_acc) + gamma_{ceil(K/c) + 1} in place of gamma_K. A kernel that multiplies the scales in after the sum (torch) instead of
     into each operand (the emulation) differs by the operands' dequantization roundings and the final
     scale product: 3 u S more. A bf16/fp16 output adds half an ulp: u_out (|C| + err), u_out = 2^-8 /
     2^-11. The bound holds for each of two implementations against the exact result, so two of them
@@ -548,8 +551,15 @@ def gemm_error_bound(a_hat: torch.Tensor, b_hat: torch.Tensor, out_dtype: torch.
     s = a64.abs() @ b64.abs().t()
     # truncation to `bits` significant bits loses < 2^-(bits-1) relative; round-to-nearest 2^-24
     u = 2.0 ** -(accumulation_bits - 1) if fast_accum else 2.0 ** -24
-    gamma = k * u / (1 - k * u) if k * u < 1 else math.inf
-    bound = (gamma + 3 * 2.0 ** -24) * s
+
+    def gamma(n: int, unit: float) -> float:
+        return n * unit / (1 - n * unit) if n * unit < 1 else math.inf
+
+    if fast_accum and promote_every:
+        rel = gamma(promote_every, u) + gamma(-(-k // promote_every) + 1, 2.0 ** -24)
+    else:
+        rel = gamma(k, u)
+    bound = (rel + 3 * 2.0 ** -24) * s
     if out_dtype == torch.bfloat16:
         bound = bound + 2.0 ** -8 * (s + bound)
     elif out_dtype == torch.float16:

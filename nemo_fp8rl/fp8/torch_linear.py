@@ -210,18 +210,18 @@ def _weight_layouts(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[Fp8
 
     tensorwise/delayed: W [N, K] and W^T [K, N] with one scale; rowwise: W [N, K] with one scale per output
     channel (scale_inv [1, N]) and W^T [K, N] with one per input channel (scale_inv [1, K]: W quantized along
-    N); blockwise: 128x128 tiles of W and W^T (hybrid: W^T's place holds W's dequantized bf16 values for the
+    N); blockwise: 128x128 tiles of W and W^T (hybrid on bf16 GEMMs: W^T's place holds W's dequantized bf16 values for the
     bf16 dgrad GEMM).
     """
     ops = kernels.ops()
     fmt = recipe.format_for("weight").name
     stats = state.stats if state is not None else None
     if recipe.scaling == "blockwise":
-        hybrid = _bf16_backward(recipe, weight.device)
+        bf16_bwd = _bf16_backward(recipe, weight.device)
         (q, s), bwd = ops.cast_weight_tiles(weight, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
-                                            transpose_bf16=hybrid, stats=stats)
+                                            transpose_bf16=bf16_bwd, stats=stats)
         fwd = QuantizedOperand(q, s, (128, 128), prepared=True)
-        if hybrid:
+        if bf16_bwd:
             return fwd, bwd
         return fwd, QuantizedOperand(bwd[0], bwd[1], (128, 128), prepared=True)
     if recipe.scaling == "rowwise":  # both are B operands: scale_inv [1, rows]
@@ -294,14 +294,14 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0] and record, ctx.needs_input_grad[1] and record
         stats = state.stats if state is not None else None
         block = recipe.scaling == "blockwise"
-        hybrid = _bf16_backward(recipe, x.device)
+        bf16_bwd = _bf16_backward(recipe, x.device)
         wq, wq_bwd = cached_weight(state, weight, "kernel", lambda: _weight_layouts(weight, recipe, state, record))
         fmt = recipe.format_for("input").name
         if block:
             xrow, xcol = ops.cast_transpose_blockwise(x2, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
-                                                      col=need_wgrad, col_bf16=hybrid, stats=stats)
+                                                      col=need_wgrad, col_bf16=bf16_bwd, stats=stats)
             xq = QuantizedOperand(xrow[0], xrow[1], (1, 128), prepared=True, rows=m)
-            x_saved = xcol if (hybrid or xcol is None) else QuantizedOperand(xcol[0], xcol[1], (1, 128), prepared=True)
+            x_saved = xcol if (bf16_bwd or xcol is None) else QuantizedOperand(xcol[0], xcol[1], (1, 128), prepared=True)
         elif recipe.scaling == "rowwise":
             xrow, xcol = ops.cast_transpose_rowwise(x2, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
                                                     col=need_wgrad, col_pad=16, stats=stats)
@@ -320,11 +320,11 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
             x_saved = QuantizedOperand(qt, sinv, "tensor", prepared=True) if qt is not None else None
         y = scaled_gemm(xq, wq, out_dtype, fast_accum=forward_fast_accum(recipe), bias=bias)
         # through save_for_backward (freed after backward, kept by retain_graph); an operand is its FP8 data and
-        # scale-inverses, or (hybrid) one bf16 tensor
+        # scale-inverses, or (hybrid on bf16 GEMMs) one bf16 tensor
         w_saved = wq_bwd if need_dgrad else None
         ctx.save_for_backward(*_unpack(x_saved), *_unpack(w_saved))
         ctx.recipe, ctx.state, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, state, x.shape, x.dtype, weight.dtype
-        ctx.block, ctx.hybrid, ctx.has_bias = block, hybrid, bias is not None
+        ctx.block, ctx.bf16_bwd, ctx.has_bias = block, bf16_bwd, bias is not None
         ctx.gran_x, ctx.gran_w = xq.granularity, wq.granularity
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -343,16 +343,16 @@ class _Fp8KernelLinearFn(torch.autograd.Function):
         w_saved = wd if ws is None else QuantizedOperand(wd, ws, ctx.gran_w, prepared=True)
         if ctx.block:
             grow, gcol = ops.cast_transpose_blockwise(g, fmt, pow2=recipe.pow2_scales, eps=recipe.amax_epsilon,
-                                                      row=need_dgrad, col=need_wgrad, row_bf16=ctx.hybrid,
-                                                      col_bf16=ctx.hybrid, stats=stats)
+                                                      row=need_dgrad, col=need_wgrad, row_bf16=ctx.bf16_bwd,
+                                                      col_bf16=ctx.bf16_bwd, stats=stats)
             if need_dgrad:
-                if ctx.hybrid:
+                if ctx.bf16_bwd:
                     grad_x = torch.mm(grow, w_saved)  # bf16 [M, N] @ [N, K], fp32 accumulation
                 else:
                     gq = QuantizedOperand(grow[0], grow[1], (1, 128), prepared=True, rows=m)
                     grad_x = scaled_gemm(gq, w_saved, _gemm_out_dtype(ctx.x_dtype))
             if need_wgrad:
-                if ctx.hybrid:
+                if ctx.bf16_bwd:
                     grad_w = torch.mm(gcol.t(), x_saved)  # bf16 [N, M] @ [M, K]
                 else:
                     gq_w = QuantizedOperand(gcol[0], gcol[1], (1, 128), prepared=True)

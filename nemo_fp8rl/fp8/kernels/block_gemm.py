@@ -9,7 +9,7 @@ recipe):
 
     C[m, n] = sum_{kb} sa[m, kb] * sb(n, kb) * sum_{k in block kb} a[m, k] * b[n, k]
 
-Shapes: A [M, K] FP8 codes (uint8 or an FP8 dtype), one scale-inverse per 1x128 block of a row
+Shapes: A [M, K] FP8 (float8_e4m3fn or float8_e5m2), one scale-inverse per 1x128 block of a row
 (``sa`` [M, K/128]); B [N, K] codes, scales per 128x128 tile (``sb`` [N/128, K/128]: dgrad's W^T) or per 1x128
 block of a row (``sb`` [N, K/128]: wgrad's x^T); K a multiple of 128 (the blockwise cast kernels pad the token
 dimension to 128); C [M, N] in float32, bf16 or fp16. Operands come as :class:`~nemo_fp8rl.fp8.backends.
@@ -102,20 +102,10 @@ def _block_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
         tl.store(cp, acc, mask=cm)
 
 
-def _codes(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-def _is_e4m3(t: torch.Tensor, fmt: str | None) -> bool:
-    if fmt is not None:
-        if fmt not in ("e4m3", "e5m2"):
-            raise ValueError(f"block_scaled_mm: FP8 format {fmt!r}, expected e4m3 or e5m2")
-        return fmt == "e4m3"
-    if t.dtype == torch.float8_e4m3fn:
-        return True
-    if t.dtype == torch.float8_e5m2:
-        return False
-    raise ValueError(f"block_scaled_mm: operand dtype {t.dtype} names no FP8 format; pass a_fmt / b_fmt")
+def _is_e4m3(t: torch.Tensor) -> bool:
+    if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"block_scaled_mm: operand dtype {t.dtype}, expected float8_e4m3fn or float8_e5m2")
+    return t.dtype == torch.float8_e4m3fn
 
 
 def _scale_strides(op, role: str) -> tuple[tuple[int, int], bool]:
@@ -132,15 +122,13 @@ def _scale_strides(op, role: str) -> tuple[tuple[int, int], bool]:
                      "B (1, 128) or (128, 128)")
 
 
-def block_scaled_mm(a, b, out_dtype: torch.dtype = torch.float32, a_fmt: str | None = None,
-                    b_fmt: str | None = None, _config: tuple | None = None) -> torch.Tensor:
+def block_scaled_mm(a, b, out_dtype: torch.dtype = torch.float32, _config: tuple | None = None) -> torch.Tensor:
     """C [rows, N] = A_hat @ B_hat^T from block-scaled FP8 operands (module docstring), in ``out_dtype``.
 
     Args:
         a: QuantizedOperand [M, K] with (1, 128) granularity (``rows``: the logical rows of a padded one).
         b: QuantizedOperand [N, K] with (128, 128) or (1, 128) granularity.
         out_dtype: float32, bfloat16 or float16.
-        a_fmt, b_fmt: the codes' format when the data is uint8 (else read from the FP8 dtype).
     """
     ad, bd = a.data, b.data
     if ad.dim() != 2 or bd.dim() != 2 or ad.shape[1] != bd.shape[1]:
@@ -154,8 +142,8 @@ def block_scaled_mm(a, b, out_dtype: torch.dtype = torch.float32, a_fmt: str | N
         raise ValueError(f"block_scaled_mm: out_dtype {out_dtype}, expected float32, bfloat16 or float16")
     (ssam, ssak), _ = _scale_strides(a, "a")
     (ssbn, ssbk), b_tiles = _scale_strides(b, "b")
-    a_e4m3, b_e4m3 = _is_e4m3(ad, a_fmt), _is_e4m3(bd, b_fmt)
-    a8, b8 = _codes(ad), _codes(bd)
+    a_e4m3, b_e4m3 = _is_e4m3(ad), _is_e4m3(bd)
+    a8, b8 = ad.view(torch.uint8), bd.view(torch.uint8)
     out = torch.empty(M, N, dtype=out_dtype, device=ad.device)
     if M and N:
         bm, bn, warps, stages = _config or _gemm_config(ad.device)
@@ -225,7 +213,7 @@ def hybrid_uses_fp8_gemm(dev: torch.device) -> bool:
         return False
     key = dev.index if dev.index is not None else torch.cuda.current_device()
     if key not in _HYBRID:
-        _HYBRID[key] = False
+        _HYBRID[key] = {"fp8_gemm": False}  # while timing (and if the kernel fails here: the bf16 path)
         try:
             m, n, k = TUNE_MNK
             a, b = _tune_operands(dev, m, n, k)
@@ -233,42 +221,35 @@ def hybrid_uses_fp8_gemm(dev: torch.device) -> bool:
                       torch.randn(k, n, device=dev, dtype=torch.bfloat16))
             t_fp8 = _time_ms(lambda: block_scaled_mm(a, b, torch.bfloat16))
             t_bf16 = _time_ms(lambda: torch.mm(ab, bb))
-            _HYBRID[key] = t_fp8 < t_bf16
-            _HYBRID[(key, "ms")] = (t_fp8, t_bf16)
-        except Exception:  # noqa: BLE001 - no FP8 kernel here: the bf16 path
-            pass
-    return _HYBRID[key]
+            _HYBRID[key] = {"fp8_gemm": t_fp8 < t_bf16, "fp8_gemm_ms": t_fp8, "bf16_ms": t_bf16}
+        except Exception as e:  # noqa: BLE001 - no FP8 kernel here: the bf16 path
+            _HYBRID[key]["error"] = f"{type(e).__name__}: {e}"[:300]
+    return _HYBRID[key]["fp8_gemm"]
 
 
 def hybrid_choice() -> dict:
-    """``{device index: True/False, (index, "ms"): (FP8 kernel ms, bf16 ms)}`` decided in this process."""
-    return dict(_HYBRID)
+    """``{device index: {"fp8_gemm": bool, "fp8_gemm_ms", "bf16_ms" (or "error")}}`` decided in this process."""
+    return {k: dict(v) for k, v in _HYBRID.items()}
+
+
+def tuned_configs() -> dict:
+    """``{device index: (BLOCK_M, BLOCK_N, num_warps, num_stages)}`` chosen in this process."""
+    return dict(_CHOSEN)
 
 
 def block_gemm_error_bound(a_hat: torch.Tensor, b_hat: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-                           imprecise_k: int = IMPRECISE_K, accumulation_bits: int = 14) -> torch.Tensor:
-    """Per-element bound on |block_scaled_mm - exact| [M, N] float64, on a GPU or in the interpreter.
+                           accumulation_bits: int = 14) -> torch.Tensor:
+    """Per-element bound on |block_scaled_mm - exact| [M, N] float64, on a GPU or in the interpreter: the
+    products are exact; Hopper adds the :data:`IMPRECISE_K` products of one FP8 MMA instruction with
+    ``accumulation_bits`` (~14) significant bits, then in float32 across instructions and K blocks; the two
+    scale products after each block and a bf16/fp16 output's rounding as ``backends.gemm_error_bound`` counts
+    them. a_hat [M, K], b_hat [N, K]: the dequantized operands (``code * scale_inv``). The interpreter sums in
+    float32 throughout, inside the bound."""
+    from nemo_fp8rl.fp8.backends import gemm_error_bound
 
-    a_hat [M, K], b_hat [N, K]: the dequantized operands (``code * scale_inv``). The products are exact; within
-    one FP8 MMA instruction (``imprecise_k`` = 32 products) Hopper adds with ``accumulation_bits`` (~14)
-    significant bits: relative loss < c u_acc / (1 - c u_acc) of that chunk's sum of |products|, u_acc =
-    2^-(bits-1); the chunks, then the K blocks, are added in float32: gamma_{K/c + 1} of S = sum_k |a_ik b_jk|
-    over all; the two scale products after each block: 3u S. So |err| <= (c u_acc/(1 - c u_acc) + gamma_{K/c+1}
-    + 3u) S, plus half an ulp of a bf16/fp16 output. The interpreter sums in float32 (u_acc = u), inside it."""
-    a64, b64 = a_hat.double(), b_hat.double()
-    k = a64.shape[1]
-    s = a64.abs() @ b64.abs().t()
-    u = 2.0**-24
-    u_acc = 2.0 ** -(accumulation_bits - 1)
-    c = imprecise_k
-    n = -(-k // c) + 1
-    rel = c * u_acc / (1 - c * u_acc) + n * u / (1 - n * u) + 3 * u
-    bound = rel * s
-    if out_dtype == torch.bfloat16:
-        bound = bound + 2.0**-8 * (s + bound)
-    elif out_dtype == torch.float16:
-        bound = bound + 2.0**-11 * (s + bound)
-    return bound + torch.finfo(out_dtype).tiny
+    return gemm_error_bound(a_hat, b_hat, out_dtype, fast_accum=True, accumulation_bits=accumulation_bits,
+                            promote_every=IMPRECISE_K)
 
 
-__all__ = ["BLOCK_K", "block_gemm_error_bound", "block_scaled_mm", "hybrid_choice", "hybrid_uses_fp8_gemm"]
+__all__ = ["BLOCK_K", "block_gemm_error_bound", "block_scaled_mm", "hybrid_choice", "hybrid_uses_fp8_gemm",
+           "tuned_configs"]
