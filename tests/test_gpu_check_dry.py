@@ -102,6 +102,10 @@ def test_dry_run_runs_every_part(tmp_path):
     # where the rollout's FP8 linears ran, read from the engine's own line (on a CPU: emulated)
     assert fp8["rollout_engine"]["scheme"] == "vllm_w8a8" and fp8["rollout_engine"]["emulated"] > 0
     assert fp8["rollout_engine"]["torch_gemm"] == 0 and "rollout: scheme" in summary_md
+    # the engine's decode timed eager and with rollout.cuda_graphs (no capture on a CPU: the static steps)
+    assert set(grpo["decode"]["seconds"]) == {f"{s}, cuda_graphs={g}" for s in ("off", "vllm_w8a8")
+                                              for g in (False, True)}
+    assert "Torch engine decode in-process" in summary_md
 
     sh = results["shadow"]
     tw = sh["recipes"]["tensorwise"]

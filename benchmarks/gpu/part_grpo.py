@@ -11,8 +11,10 @@ FP8 arm's step time is a pessimistic one for the >= 1.2x target). Reported per a
 ``timing/<phase>`` (:data:`PHASES`: step, rollout, weight_sync, logprobs, train, shadow) over the steps after
 step 0 (step 0 compiles and warms the kernels), FP8 / BF16 per phase, the weight sync's share of the step,
 the converter's ``backend=torch: N on torch FP8 GEMMs`` line, and
-whether every step's core metrics are finite (the logger writes non-finite values as null). The dry run
-uses the tiny model on the CPU.
+whether every step's core metrics are finite (the logger writes non-finite values as null). After the arms,
+in this process: the torch rollout engine's ``generate`` timed eager against ``rollout.cuda_graphs`` (the
+decode steps replayed as CUDA graphs) at the same widths (:data:`DECODE`). The dry run uses the tiny model
+on the CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ ARMS = {
     "bf16": ["fp8=off", "calibration=off"],
 }
 REPO = Path(__file__).resolve().parents[2]
+DECODE = {"prompts": 256, "prompt_tokens": 16, "new_tokens": 64, "vocab": 4096}
+"""The in-process decode timing (:func:`_decode_times`): the torch engine at Qwen3-8B widths with ``LAYERS``
+layers, eager against ``rollout.cuda_graphs`` (captures included), BF16 and FP8 W8A8 on torch's FP8 GEMMs."""
 
 
 def _no_final_checkpoint() -> list[str]:
@@ -140,6 +145,72 @@ def _rollout_engine(out: str) -> dict:
     return res
 
 
+DECODE_RESERVE_S = 20
+
+
+def _random_hf_weights(cfg, device: str) -> dict:
+    """HF-named random weights for ``cfg`` on ``device`` in BF16: linears ~ N(0, 1/fan_in), norms 1."""
+    import torch
+
+    from nemo_fp8rl.rollout.model import ModelShape, expected_hf_shapes
+
+    g = torch.Generator(device=device).manual_seed(0)
+    sd = {}
+    for k, s in expected_hf_shapes(ModelShape.from_config(cfg), cfg.vocab_size).items():
+        if len(s) == 1:
+            sd[k] = torch.ones(s, device=device, dtype=torch.bfloat16)
+        else:
+            sd[k] = (torch.randn(s, device=device, generator=g) / s[-1] ** 0.5).to(torch.bfloat16)
+    return sd
+
+
+def _decode_times(ctx) -> dict:
+    """Seconds of one ``generate`` (:data:`DECODE`: every row decodes ``new_tokens``) of the torch engine,
+    eager and with ``cuda_graphs=True`` (its captures included: graphs live for one call), per rollout scheme
+    (``off`` = BF16, ``vllm_w8a8`` on torch's FP8 GEMMs), each after one untimed call of the same shapes."""
+    import torch
+
+    from nemo_fp8rl.config.model import ModelConfig
+    from nemo_fp8rl.rollout import SamplingParams
+    from nemo_fp8rl.rollout.torch_engine import TorchRolloutEngine
+
+    c = dict(DECODE)
+    if ctx.dry:
+        c.update(prompts=4, prompt_tokens=3, new_tokens=4, vocab=16)
+        cfg = ModelConfig(name="tiny", vocab_size=16, num_layers=2, hidden_size=64, num_attention_heads=4,
+                          num_query_groups=2, ffn_hidden_size=128, qk_layernorm=True)
+    else:
+        cfg = ModelConfig(name="qwen3_8b_widths", vocab_size=c["vocab"], num_layers=LAYERS, hidden_size=4096,
+                          num_attention_heads=32, num_query_groups=8, kv_channels=128, ffn_hidden_size=12288,
+                          qk_layernorm=True, seq_length=256, rotary_base=1000000.0)
+    sd = _random_hf_weights(cfg, ctx.device)
+    prompts = [[(7 * i + j) % (c["vocab"] - 1) + 1 for j in range(c["prompt_tokens"])] for i in range(c["prompts"])]
+    params = SamplingParams(max_new_tokens=c["new_tokens"], stop_on_eos=False, temperature=1.0)
+    out: dict = {"shape": c, "model": "tiny" if ctx.dry else f"{LAYERS} layers at Qwen3-8B widths", "seconds": {}}
+    for scheme in ("off", "vllm_w8a8"):
+        for graphs in (False, True):
+            if ctx.left() < 8:
+                out["skipped"] = f"out of time at {scheme}, cuda_graphs={graphs}"
+                return out
+            eng = TorchRolloutEngine(cfg, fp8_scheme=scheme, eos_id=0, pad_id=0, device=ctx.device,
+                                     fp8_gemm="torch", cuda_graphs=graphs)
+            eng.update_weights(sd)
+            eng.generate(prompts, params, torch.Generator().manual_seed(0))  # first-use kernels, launch configs
+            if ctx.device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.generate(prompts, params, torch.Generator().manual_seed(1))
+            if ctx.device == "cuda":
+                torch.cuda.synchronize()
+            out["seconds"][f"{scheme}, cuda_graphs={graphs}"] = time.perf_counter() - t0
+            eng.close()
+    s = out["seconds"]
+    for scheme in ("off", "vllm_w8a8"):
+        if f"{scheme}, cuda_graphs=True" in s:
+            out[f"{scheme}_graphs_x_eager"] = s[f"{scheme}, cuda_graphs=False"] / s[f"{scheme}, cuda_graphs=True"]
+    return out
+
+
 def run(ctx) -> dict:
     res = ctx.res
     res.update(model="tiny" if ctx.dry else f"qwen3_8b widths, {LAYERS} layers, task vocabulary",
@@ -148,7 +219,10 @@ def run(ctx) -> dict:
     try:
         names = list(ARMS)
         for i, name in enumerate(names):
-            timeout = (ctx.left() - 5) / (len(names) - i)  # what is left, shared by the arms still to run
+            # what is left, shared by the arms still to run (less DECODE_RESERVE_S for the decode timing, when
+            # there is room for it: the arms come first)
+            reserve = DECODE_RESERVE_S if ctx.left() > 100 else 0
+            timeout = (ctx.left() - 5 - reserve) / (len(names) - i)
             if timeout < 20:
                 res["arms"][name] = {"failed": f"out of time ({ctx.left():.0f}s left)"}
                 continue
@@ -173,6 +247,12 @@ def run(ctx) -> dict:
     if not ctx.dry and "failed" not in fp8 and ro.get("scheme") not in (None, "off") and not ro.get("torch_gemm"):
         # an FP8 rollout that emulates (fake-quantizes, then a BF16 GEMM) is slower than BF16 by construction
         problems.append(f"the FP8 arm's rollout ran no linear on torch's FP8 GEMMs ({ro.get('line', '')[:200]})")
+    if ctx.left() > 20:  # extra: its failure must not lose the arms
+        try:
+            res["decode"] = _decode_times(ctx)
+        except Exception as e:  # noqa: BLE001
+            res["decode"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        ctx.save()
     if problems:
         res["failed"] = "; ".join(problems)
     return res
@@ -207,4 +287,14 @@ def tables(res: dict) -> list[str]:
     if ratios:
         lines.append("\nFP8 x BF16 per phase (BF16 s / FP8 s): " + ", ".join(ratios)
                      + "; targets (issue 39): step >= 1.2, train >= 1.3, rollout >= 1.3, sync < 10% of the step")
+    d = res.get("decode") or {}
+    if d.get("seconds"):
+        c = d["shape"]
+        lines.append(f"\nTorch engine decode in-process ({c['prompts']} prompts of {c['prompt_tokens']} tokens, "
+                     f"{c['new_tokens']} new tokens each, {d['model']}, vocabulary "
+                     f"{c['vocab']}), seconds per generate (rollout.cuda_graphs: captures included): "
+                     + "; ".join(f"{k} {v:.3f}" for k, v in d["seconds"].items())
+                     + "".join(f"; {k} {d[k]:.2f}" for k in ("off_graphs_x_eager", "vllm_w8a8_graphs_x_eager") if k in d))
+    elif d:
+        lines.append(f"\nTorch engine decode in-process: {d.get('error') or d.get('skipped')}")
     return lines

@@ -136,6 +136,12 @@ class RolloutConfig:
     its weights and KV cache (vLLM sleep mode, level 2: discarded, not offloaded, since the next sync
     rewrites every weight), leaving training the whole GPU. false keeps the engine's memory reserved
     during training. No-op on CPU."""
+    cuda_graphs: bool = False
+    """Decode with CUDA graphs on a GPU. torch engine: each decode step runs on static shapes (power-of-two
+    buckets of live rows and attended positions) and is captured once per bucket and ``generate`` call, then
+    replayed (nemo_fp8rl/rollout/decode_graphs.py; a failed capture is logged and the call decodes eagerly);
+    without CUDA the same static steps run eagerly. vllm: false builds the engine with ``enforce_eager``.
+    Off by default until the GPU check has measured it (docs/rollout.md)."""
     split_prompts: Optional[bool] = None
     """Split each data-parallel rank's rollout batch over its model-parallel (TP x PP) ranks: every rank
     generates its share with its own whole-model engine and the shares are gathered, so the replica's
@@ -556,8 +562,9 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
     sci = cfg.rollout.stop_check_interval
     if sci is not None and (isinstance(sci, bool) or not isinstance(sci, int) or sci < 1):
         raise ConfigError(f"rollout.stop_check_interval={sci!r} must be an integer >= 1, or null (1 on CPU, 8 on GPU)")
-    if not isinstance(cfg.rollout.enable_sleep, bool):
-        raise ConfigError(f"rollout.enable_sleep={cfg.rollout.enable_sleep!r} must be true or false")
+    for key in ("enable_sleep", "cuda_graphs"):
+        if not isinstance(getattr(cfg.rollout, key), bool):
+            raise ConfigError(f"rollout.{key}={getattr(cfg.rollout, key)!r} must be true or false")
     _check_rollout_fp8(cfg.rollout.fp8, cfg.model.num_layers)
 
     if c.interval < 1:

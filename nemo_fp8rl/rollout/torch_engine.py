@@ -58,6 +58,7 @@ from nemo_fp8rl.rollout.base import (
     register_rollout_engine,
 )
 from nemo_fp8rl.fp8.kv_cache import KV_CACHE_FORMATS, KV_KERNELS, KvScales
+from nemo_fp8rl.rollout.decode_graphs import StaticDecode
 from nemo_fp8rl.rollout.model import (
     KVCache,
     KvQuant,
@@ -143,6 +144,9 @@ class TorchRolloutEngine:
             a host sync each); None = 1 on CPU, :data:`GPU_STOP_CHECK_INTERVAL` elsewhere.
         tokenizer: the task's tokenizer (anything with ``decode(ids) -> str``): decodes the responses for
             stop strings (``SamplingParams.stop``, :mod:`~nemo_fp8rl.rollout.stop_strings`); None refuses them.
+        cuda_graphs: decode on static shapes, each step replayed as a CUDA graph on CUDA
+            (``rollout.cuda_graphs``, :mod:`~nemo_fp8rl.rollout.decode_graphs`); without CUDA the same static
+            steps run eagerly.
     """
 
     name = "torch"
@@ -164,6 +168,7 @@ class TorchRolloutEngine:
         high_precision_layers: Sequence[int] = (),
         stop_check_interval: int | None = None,
         tokenizer: Any = None,
+        cuda_graphs: bool = False,
     ) -> None:
         if fp8_gemm not in ("emulate", "torch"):
             raise ValueError(f"torch rollout engine: fp8_gemm={fp8_gemm!r}; use 'emulate' or 'torch'")
@@ -198,6 +203,14 @@ class TorchRolloutEngine:
             raise TypeError(f"torch rollout engine: tokenizer={tokenizer!r} has no decode(ids) -> str")
         self.tokenizer = tokenizer
         """Decodes responses for stop strings (None: ``SamplingParams.stop`` is refused)."""
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"rollout.cuda_graphs={cuda_graphs!r} must be true or false")
+        self.cuda_graphs = cuda_graphs
+        """Decode on static shapes (:class:`~nemo_fp8rl.rollout.decode_graphs.StaticDecode`), captured as
+        CUDA graphs on CUDA."""
+        if cuda_graphs and self.device.type != "cuda":
+            log.info("rollout.cuda_graphs: no CUDA device (%s), so the static decode steps run without capture",
+                     self.device)
         self.weights: RolloutWeights | None = None
         self.weights_version = 0
         """Number of weight syncs received so far."""
@@ -360,6 +373,7 @@ class TorchRolloutEngine:
 
         cache = KVCache.empty(self.shape, B, P + N, dev, self.dtype, kv=self.kv)
         logits = forward_prefill(self.shape, w, self.scheme, tokens[:, :P], lens_dev, cache)
+        static = StaticDecode(self.shape, w, self.scheme, cache, capture=dev.type == "cuda") if self.cuda_graphs else None
         rows = torch.arange(B, device=dev)  # original batch index of each live cache row
         alive = torch.ones(B, dtype=torch.bool, device=dev)  # live rows that have not sampled EOS yet
         longest = int(lens.max())  # longest prompt among the live rows (host-side: no sync)
@@ -393,9 +407,15 @@ class TorchRolloutEngine:
                     if keep.numel() == 0:
                         break
                     rows, pos, tok, alive = rows[keep], pos[keep], tok[keep], alive[keep]
-                    cache.select_rows(keep)
+                    if static is None:
+                        cache.select_rows(keep)
+                    else:
+                        static.keep(keep)
                     longest = int(lens_dev[rows].max())
-            logits = forward_decode(self.shape, w, self.scheme, tok, pos, cache, length=longest + step + 1)
+            if static is None:
+                logits = forward_decode(self.shape, w, self.scheme, tok, pos, cache, length=longest + step + 1)
+            else:
+                logits = static.step(tok, pos, longest + step + 1)
         if stops is not None and stops.seen < step + 1:  # the steps after the last check
             stops.check(rows, alive, tokens, lens_dev, resp, step + 1)
         tokens, lens, resp, logp = tokens.cpu(), lens, resp.cpu(), logp.cpu()
@@ -411,6 +431,6 @@ class TorchRolloutEngine:
         return RolloutBatch.from_padded(tokens, lens, resp, logp, finished)
 
 
-@register_rollout_engine("torch", options=("stop_check_interval",))
+@register_rollout_engine("torch", options=("stop_check_interval", "cuda_graphs"))
 def _make_torch_engine(model_cfg: Any, **kw: Any) -> TorchRolloutEngine:
     return TorchRolloutEngine(model_cfg, **kw)

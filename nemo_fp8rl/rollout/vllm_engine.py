@@ -171,6 +171,9 @@ class VllmEngine:
             :class:`~nemo_fp8rl.tasks.base.CharTokenizer`), for stop strings (``SamplingParams.stop``): vLLM
             loads it and detokenizes the responses that have stop strings. None (default): vLLM runs
             without a tokenizer and ``generate`` refuses stop strings.
+        cuda_graphs: ``rollout.cuda_graphs``: let vLLM capture its decode batches as CUDA graphs (GPU only;
+            False builds it with ``enforce_eager``, as before this option existed). True is vLLM's own default on
+            a GPU; this project's GPU check has no vLLM, so it is untested here with our weight syncs.
     """
 
     name = "vllm"
@@ -194,6 +197,7 @@ class VllmEngine:
         kv_cache: str = "off",
         high_precision_layers: Sequence[int] = (),
         tokenizer: Any = None,
+        cuda_graphs: bool = False,
     ) -> None:
         tp = tensor_parallel_size
         if isinstance(tp, int) and tp > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -257,6 +261,10 @@ class VllmEngine:
         self._weights_state = "none"  # "none" | "ok" | "partial" (a sync failed midway) | "discarded" (slept)
         self._asleep = False
         self.sleep_enabled = _on_gpu() if enable_sleep is None else bool(enable_sleep) and _on_gpu()
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"rollout.cuda_graphs={cuda_graphs!r} must be true or false")
+        self.cuda_graphs = cuda_graphs
+        """Whether vLLM may capture CUDA graphs (``enforce_eager`` off; GPU only)."""
         """Whether :meth:`sleep` frees memory (vLLM sleep mode, GPU); on CPU sleep/wake_up are no-ops."""
         self.fp8_kernels: list[str] = []
         """vLLM's kernel classes for the FP8 linears (filled at build with an FP8 scheme)."""
@@ -294,7 +302,7 @@ class VllmEngine:
             skip_tokenizer_init=True,
             load_format="dummy",
             dtype=self.dtype,
-            enforce_eager=True,
+            enforce_eager=not (self.cuda_graphs and _on_gpu()),
             max_model_len=int(self.shape.seq_length),
             max_num_seqs=int(max_num_seqs),
             logprobs_mode="processed_logprobs",
@@ -561,6 +569,7 @@ class VllmEngine:
 
 
 @register_rollout_engine(
-    "vllm", options=("sync_bucket_mb", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep"))
+    "vllm", options=("sync_bucket_mb", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep",
+                     "cuda_graphs"))
 def _make_vllm_engine(model_cfg: Any, **kw: Any) -> VllmEngine:
     return VllmEngine(model_cfg, **kw)
