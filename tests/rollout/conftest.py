@@ -32,6 +32,18 @@ def random_hf_weights(cfg: ModelConfig, seed: int = 0, logit_scale: float = 1.0)
     return sd
 
 
+def check_rows_end_at_eos(b, eos: int, pad: int = 0) -> None:
+    """A sampled batch with EOS stops: some rows but not all ended; a row holds no EOS but possibly its last
+    token, is finished iff it ends on one, and records nothing (pad, log-prob 0) after its response."""
+    rows = b.tokens.shape[0]
+    assert 0 < int(b.finished.sum()) < rows
+    for r in range(rows):
+        p, n = int(b.prompt_lens[r]), int(b.response_lens[r])
+        resp = b.tokens[r, p: p + n].tolist()
+        assert eos not in resp[:-1] and bool(b.finished[r]) == (resp[-1] == eos)
+        assert (b.tokens[r, p + n:] == pad).all() and (b.rollout_logp[r, p + n:] == 0).all()
+
+
 CONFIGS = {
     # Llama-style: multi-head attention, no biases.
     "llama": dict(vocab_size=16, num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128),

@@ -19,7 +19,7 @@ import torch
 from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.rollout import SamplingParams, decode_graphs, get_rollout_engine
 from nemo_fp8rl.rollout.decode_graphs import StaticDecode, batch_bucket, length_bucket
-from tests.rollout.conftest import CONFIGS, random_hf_weights
+from tests.rollout.conftest import CONFIGS, check_rows_end_at_eos, random_hf_weights
 
 PROMPTS = [[1, 5, 7], [3, 9], [4, 4, 6, 8, 10], [11], [12, 13], [7, 7, 7, 1], [2, 3], [15, 14, 13], [8], [9, 9]]
 
@@ -85,12 +85,7 @@ def test_sampled_static_decode_records_the_engines_logprobs(small_buckets, kv_ca
     eng = _engine(2, eos, True, kv_cache=kv_cache, scheme=scheme)
     b = eng.generate(PROMPTS * 3, SamplingParams(max_new_tokens=12, stop_on_eos=True, temperature=1.0),
                      torch.Generator().manual_seed(3))
-    assert 0 < int(b.finished.sum()) < len(PROMPTS) * 3
-    for r in range(len(PROMPTS) * 3):
-        p, n = int(b.prompt_lens[r]), int(b.response_lens[r])
-        resp = b.tokens[r, p: p + n].tolist()
-        assert eos not in resp[:-1] and bool(b.finished[r]) == (resp[-1] == eos)
-        assert (b.tokens[r, p + n:] == 0).all() and (b.rollout_logp[r, p + n:] == 0).all()
+    check_rows_end_at_eos(b, eos)
     torch.testing.assert_close(b.rollout_logp * b.mask, eng.logprobs(b.tokens) * b.mask, rtol=0, atol=1e-5)
 
 

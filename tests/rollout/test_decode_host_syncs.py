@@ -18,7 +18,7 @@ from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
 from nemo_fp8rl.rollout import model as rollout_model
 from nemo_fp8rl.rollout.torch_engine import TorchRolloutEngine, sampling_generator
-from tests.rollout.conftest import CONFIGS, random_hf_weights
+from tests.rollout.conftest import CONFIGS, check_rows_end_at_eos, random_hf_weights
 
 _SYNCS = {"cpu", "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
 
@@ -110,12 +110,7 @@ def test_sampled_batch_with_late_checks_records_the_engines_logprobs():
     eng = _engine(4, eos=eos)
     b = eng.generate(PROMPTS * 3, SamplingParams(max_new_tokens=12, stop_on_eos=True, temperature=1.0),
                      torch.Generator().manual_seed(3))
-    assert 0 < int(b.finished.sum()) < len(PROMPTS) * 3
-    for r in range(len(PROMPTS) * 3):
-        p, n = int(b.prompt_lens[r]), int(b.response_lens[r])
-        resp = b.tokens[r, p: p + n].tolist()
-        assert eos not in resp[:-1] and bool(b.finished[r]) == (resp[-1] == eos)
-        assert (b.tokens[r, p + n:] == 0).all() and (b.rollout_logp[r, p + n:] == 0).all()
+    check_rows_end_at_eos(b, eos)
     lp = eng.logprobs(b.tokens)
     torch.testing.assert_close(b.rollout_logp * b.mask, lp * b.mask, rtol=0, atol=1e-5)
 
