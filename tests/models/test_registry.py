@@ -232,11 +232,19 @@ def test_conversion_equals_transformers_gguf_loader(smollm2, wheel, tmp_path):
     assert tok.chat_template == rtok.chat_template
 
 
-def test_grpo_smoke_on_smollm2_with_fp8_and_calibration(smollm2, tmp_path):
-    """2 GRPO steps of the real CLI on the registry model: FP8 tensorwise (emulated), calibration on,
-    reasoning-gym chain_sum, 1 prompt x 2 responses x 8 new tokens, no warm-up, no final checkpoint (~45 s on
-    2 cores; 2 x 2 x 16 tokens with the final checkpoint took ~60 s: 11 s of it writing the 135M model and its
-    Adam state, which the checkpoint tests cover at tiny size)."""
+def test_dapo_smoke_on_smollm2_with_fp8_and_calibration(smollm2, tmp_path):
+    """2 DAPO steps of the real CLI on the registry model: FP8 tensorwise (emulated), calibration at every step,
+    reasoning-gym chain_sum of 2 one-digit terms, 1 prompt x 4 responses x 8 new tokens opened with the answer
+    tag, no warm-up, no final checkpoint (~50 s on 2 cores).
+
+    Why DAPO and these settings: calibration needs negative-advantage tokens. The earlier GRPO version
+    (1 x 2 responses, no answer tag) scored 0 on every response, so its advantages were 0 and calibration
+    skipped both steps (``calib/skipped`` 1, ``calib/tokens`` 0): it never ran. DAPO's dynamic sampling
+    redraws a group whose rewards are all equal (up to 3 more rounds) and its overlong shaping scores
+    responses of different lengths apart, so a step's batch holds non-zero advantages unless every round of
+    it is degenerate; the answer-tag prefix makes a correct answer likely within 8 tokens (seed 0 on a 2-core
+    EPYC: rewards 0.5 and 0.625, 24 and 8 calibration tokens). ``calibration.min_tokens=4`` so that a batch
+    of 4 short responses is calibrated rather than skipped as too small."""
     pytest.importorskip("reasoning_gym", reason="task=reasoning_gym needs the 'real' extra")
     import yaml
 
@@ -245,13 +253,17 @@ def test_grpo_smoke_on_smollm2_with_fp8_and_calibration(smollm2, tmp_path):
     new_tokens = 8
 
     out = tmp_path / "run"
-    proc = run_cli(out, "model=smollm2_135m", "task=reasoning_gym", "task.dataset=chain_sum", "fp8=tensorwise",
-            "calibration=paper", "calibration.interval=1", "warmup.steps=0", "trainer.max_steps=2",
-            "algorithm.prompts_per_step=1", "algorithm.group_size=2", "algorithm.minibatches_per_step=1",
-            f"rollout.max_new_tokens={new_tokens}", "parallel.micro_batch_size=2", "fp8.compile=false",
-            "trainer.save_final=false", timeout=900)
+    proc = run_cli(out, "model=smollm2_135m", "task=reasoning_gym", "task.dataset=chain_sum",
+                   "+task.dataset_kwargs.max_terms=2", "+task.dataset_kwargs.max_digits=1",
+                   "task.response_prefix='<answer>'", "algorithm=dapo", "fp8=tensorwise",
+                   "calibration=paper", "calibration.interval=1", "calibration.min_tokens=4", "warmup.steps=0",
+                   "trainer.max_steps=2", "algorithm.prompts_per_step=1", "algorithm.group_size=4",
+                   "algorithm.minibatches_per_step=1", f"rollout.max_new_tokens={new_tokens}",
+                   "parallel.micro_batch_size=4", "fp8.compile=false", "trainer.save_final=false", timeout=900)
     recs = metrics(out)
     assert [r["step"] for r in recs] == [0, 1]
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    lower_min, eps_low = cfg["calibration"]["lower_min"], cfg["algorithm"]["eps_low"]
     for r in recs:
         for k in ("reward/mean", "policy/entropy", "train/loss", "clip/lower", "clip/upper", "calib/tokens",
                   "rollout/response_len", "mismatch/fp8_bf16_logp_abs_diff_mean", "mismatch/logp_abs_diff_mean"):
@@ -261,8 +273,18 @@ def test_grpo_smoke_on_smollm2_with_fp8_and_calibration(smollm2, tmp_path):
         # the policy is a language model, not noise (entropy well below log(49152) = 10.8 nats)
         assert 1e-3 < r["mismatch/fp8_bf16_logp_abs_diff_mean"] < 2.0
         assert 0.0 < r["policy/entropy"] < 6.0
-    cfg = yaml.safe_load((out / "config.yaml").read_text())["model"]
-    assert cfg["hf_path"] == str(smollm2[0]) and (cfg["num_layers"], cfg["vocab_size"]) == (30, 49152)
+        # the bounds in force stay inside the design's guards (docs/design.md)
+        assert lower_min <= r["clip/lower"] <= 1 - eps_low + 1e-6, r["clip/lower"]
+        if r["calib/skipped"] == 0:  # a calibration that ran measured every quantity it reports
+            for k in ("calib/alpha_bf16", "calib/alpha_fp8_nominal", "calib/lower_raw", "calib/upper_raw",
+                      "calib/balance_bf16", "calib/balance_fp8"):
+                assert r.get(k) is not None and torch.isfinite(torch.tensor(r[k])), (k, r.get(k))
+            assert r["calib/tokens"] >= 4
+    ran = [r["step"] for r in recs if r["calib/skipped"] == 0]
+    assert ran, ("calibration skipped every step: no negative-advantage tokens after dynamic sampling",
+                 [(r["reward/mean"], r["calib/tokens"]) for r in recs])
+    model = cfg["model"]
+    assert model["hf_path"] == str(smollm2[0]) and (model["num_layers"], model["vocab_size"]) == (30, 49152)
     assert "converted 120/120 linear layers" in proc.stdout + proc.stderr  # every linear of the 30 layers in FP8
     assert (out / "hf" / "config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
 
