@@ -527,3 +527,32 @@ def test_calibration_batch_stats_and_seeds_for_gap():
     few, many = pr.seeds_for_gap(0.06, 0.08), pr.seeds_for_gap(0.12, 0.08)
     assert 3 <= few < many <= 60
     assert pr.seeds_for_gap(1.0, 0.01, max_seeds=5, sims=200, boot=200) is None
+
+
+def test_tis_weights_token_stats_against_hand_values():
+    """Issue 41: tis_weights.token_stats on four tokens worked by hand (C = 2, eps 0.2): rho, the capped and
+    low shares, the TIS and fixed-clip gradient mass per advantage sign, and the weight check."""
+    import math
+
+    import torch
+
+    sys.path.insert(0, str(RUN_STUDY.parent))
+    import tis_weights as tw
+
+    rho = torch.tensor([[3.0, 0.5, 1.0, 1.1, 7.0]])  # the last token is padding
+    rollout = torch.zeros(1, 5)
+    old = rho.log()
+    adv = torch.tensor([[1.0, 1.0, -2.0, -2.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    weights = rho.clamp(max=2.0) * mask
+    s = tw.token_stats(old, rollout, adv, mask, weights, cap=2.0, eps_low=0.2, eps_high=0.2)
+    assert (s["tokens"], s["tokens_pos"], s["tokens_neg"]) == (4, 2, 2)
+    assert s["capped"] == 0.25 and s["low"] == 0.25 and s["weight_check"] < 1e-6
+    # sum |A| = 6; TIS: positive 1*2 + 1*0.5, negative 2*1 + 2*1.1
+    assert math.isclose(s["push_tis_pos"], 2.5 / 6, rel_tol=1e-6)
+    assert math.isclose(s["push_tis_neg"], 4.2 / 6, rel_tol=1e-6)
+    # fixed clip against the rollout zeroes the positive token at rho 3 (> 1.2); no negative token is < 0.8
+    assert (s["zeroed_pos"], s["zeroed_neg"]) == (0.5, 0.0)
+    assert math.isclose(s["push_fixed_pos"], 0.5 / 6, rel_tol=1e-6)
+    assert math.isclose(s["push_fixed_neg"], 4.2 / 6, rel_tol=1e-6)
+    assert math.isclose(s["mean_w_pos"], 1.25, rel_tol=1e-6) and math.isclose(s["mean_w_neg"], 1.05, rel_tol=1e-6)
