@@ -556,3 +556,89 @@ def test_tis_weights_token_stats_against_hand_values():
     assert math.isclose(s["push_fixed_pos"], 0.5 / 6, rel_tol=1e-6)
     assert math.isclose(s["push_fixed_neg"], 4.2 / 6, rel_tol=1e-6)
     assert math.isclose(s["mean_w_pos"], 1.25, rel_tol=1e-6) and math.isclose(s["mean_w_neg"], 1.05, rel_tol=1e-6)
+
+
+def _rule_stats(last10: float, every: float, gain: float = 0.3) -> dict:
+    return {"reward_last10": last10, "reward_all": every, "gain": gain}
+
+
+def test_track_rule_chooses_the_largest_usable_separation_and_waits_for_every_candidate():
+    """Issue 41's exploration rule (docs/results.md, written before the runs): separation is |difference| >=
+    0.06 of fp8_calibrated - fp8_fixed_wide in the last-10 or all-steps mean, usable is BF16 gain >= 0.15,
+    the largest usable separation wins, ties go to fewer departures; nothing is chosen while a candidate is
+    unfinished; the questions' verdicts follow the bootstrap interval's side."""
+    sys.path.insert(0, str(RUN_STUDY.parent))
+    import protocol_report as pr
+
+    def cand(cal, wide, gain=0.3, low=None):
+        return {"bf16": _rule_stats(0.8, 0.7, gain), "fp8_calibrated": _rule_stats(*cal),
+                "fp8_fixed_wide": _rule_stats(*wide), "fp8_calibrated_low": low and _rule_stats(*low)}
+
+    dep = {"a": 1, "b": 1, "c": 2}
+    rule = pr.track_rule({"a": cand((0.70, 0.60), (0.75, 0.61)),            # -0.05, -0.01: no
+                          "b": cand((0.70, 0.60), (0.62, 0.60)),            # +0.08: separates
+                          "c": cand((0.50, 0.60), (0.70, 0.60), gain=0.1)},  # -0.20, but BF16 does not learn
+                         dep)
+    rows = {r["candidate"]: r for r in rule["rows"]}
+    assert [rows[c]["separates"] for c in "abc"] == [False, True, True]
+    assert [rows[c]["usable"] for c in "abc"] == [True, True, False]
+    assert rule["choice"] == "b" and rows["a"]["d_last10"] == pytest.approx(-0.05)
+    # exactly at the threshold separates (0.66 - 0.60 in float is 0.0600...01 or 0.0599...9)
+    assert pr.track_rule({"a": cand((0.66, 0.5), (0.60, 0.5))}, dep)["choice"] == "a"
+    # a tie at 3 decimals goes to the fewer departures, whatever the order
+    tie = pr.track_rule({"c": cand((0.80, 0.6), (0.70, 0.6)), "a": cand((0.60, 0.6), (0.70, 0.6))}, dep)
+    assert tie["choice"] == "a"
+    # the lowered-guard arm is reported, not chosen on
+    low = pr.track_rule({"a": cand((0.70, 0.6), (0.70, 0.6), low=(0.90, 0.6))}, dep)
+    assert low["choice"] is None and low["rows"][0]["low_separates"] and "no usable candidate" in low["finding"]
+    waiting = pr.track_rule({"a": cand((0.9, 0.9), (0.5, 0.5)), "b": {"bf16": None, "fp8_calibrated": None}}, dep)
+    assert waiting["choice"] is None and waiting["pending"] == ["b"] and "| b | - | - |" in pr.track_rule_table(waiting)
+    # the confirmation's verdicts: all seeds on one side (3 seeds: the interval's ends are the extremes)
+    text = pr.track_verdicts({"fp8_calibrated": {21: 0.8, 22: 0.7, 23: 0.75},
+                              "fp8_fixed_wide": {21: 0.7, 22: 0.6, 23: 0.70},
+                              "fp8_recompute_tis": {21: 0.7, 22: 0.8}})
+    q1, q2 = text.splitlines()
+    assert "3 seeds): +0.083 [+0.050, +0.100]: tracking adds" in q1
+    assert "pending, 2 of 3 paired seeds" in q2
+    mixed = pr.track_verdicts({"fp8_calibrated": {21: 0.8, 22: 0.6, 23: 0.7},
+                               "fp8_fixed_wide": {21: 0.7, 22: 0.7, 23: 0.7}}).splitlines()[0]
+    assert "not shown (a true gap of" in mixed
+
+
+def test_track_confirm_plans_the_chosen_candidate_on_fresh_seeds(tmp_path, monkeypatch):
+    """Issue 41's confirmation (``--stage track_confirm``): the plan's five arms seed by seed on fresh seeds
+    (never 1 or 11-13), the lowered-guard arm after them, the candidate's own steps and window; refused for a
+    candidate the exploration's rule (read from the runs or records) did not choose."""
+    mod = _run_study_module()
+    args = _stage_args(mod, "stage=track_confirm", "candidates=2xlr")
+    args.confirm_seeds, args.out, args.record, args.any_candidate = None, str(tmp_path / "out"), str(tmp_path / "rec"), False
+    with pytest.raises(SystemExit, match="does not choose it; its outcome: not chosen yet"):
+        mod.stage_runs(args)
+    # the exploration's records: 2xlr separates (-0.1 on the last 10), e5m2 and long200 do not
+    monkeypatch.setitem(mod.TRACK_WIDE, "long200", (0.5, 2.0))  # until its window is known, nothing is chosen
+    rewards = {"bf16": 0.9, "fp8_calibrated": 0.6, "fp8_fixed_wide": 0.7}
+    for r in mod.stage_runs(_stage_args(mod, "stage=track")):
+        cand, arm = r["name"].split("/")[:2]
+        value = rewards.get(arm, 0.5) - (0.1 if cand == "2xlr" and arm == "fp8_calibrated" else 0.0)
+        d = tmp_path / "rec" / r["group"] / r["name"]
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i, "reward/mean": 0.4 if arm == "bf16" and i < 10 else value}) + "\n"
+            for i in range(r["steps"])))
+    assert mod.track_rule(tmp_path / "out", tmp_path / "rec")["choice"] == "2xlr"
+    runs = mod.stage_runs(args)
+    assert [(r["arm"], r["seed"]) for r in runs] == [
+        *[(a, s) for s in (21, 22, 23) for a in mod.TRACK_CONFIRM_ARMS],
+        *[("fp8_calibrated_low", s) for s in (21, 22, 23)]]
+    assert {r["group"] for r in runs} == {"track_confirm"} and {r["steps"] for r in runs} == {100}
+    by_arm = {r["arm"]: r["overrides"] for r in runs if r["seed"] == 21}
+    explored = {r["arm"]: r["overrides"] for r in mod.stage_runs(_stage_args(mod, "stage=track", "candidates=2xlr"))}
+    assert by_arm == explored  # the same arms as on seed 1, the fixed window included
+    args.candidates = "e5m2"
+    with pytest.raises(SystemExit, match="does not choose it"):
+        mod.stage_runs(args)
+    args.any_candidate = True
+    assert len(mod.stage_runs(args)) == 18
+    args.confirm_seeds = "21,12"
+    with pytest.raises(SystemExit, match=r"\[12\] were used"):
+        mod.stage_runs(args)

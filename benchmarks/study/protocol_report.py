@@ -201,6 +201,116 @@ def calibration_batch_table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(out)
 
 
+SEPARATION = 0.06
+"""Issue 41's exploration rule: two arms of one seed *separate* when their reward differs by at least this in
+the last-10 mean or in the mean over all steps (two standard errors of a 10-step window, the first
+exploration's rule)."""
+
+
+def track_rule(candidates: dict[str, dict[str, dict | None]], departures: dict[str, int],
+               separation: float = SEPARATION, gain_target: float = GAIN_TARGET) -> dict:
+    """Issue 41's choice of the confirmation's candidate, the rule docs/results.md wrote before any run of
+    ``--stage track`` (2026-12-04 19:10).
+
+    ``candidates[cand][arm]``: the :func:`run_stats` of the candidate's finished seed-1 run of ``arm``, or
+    ``None`` while it has not finished. Per candidate, with d = fp8_calibrated - fp8_fixed_wide:
+
+    * *separates*: max(|d last 10|, |d over all steps|) >= ``separation``, in either direction;
+    * *usable*: the bf16 run's gain (first 10 to last 10 steps) >= ``gain_target``;
+    * the same d for ``fp8_calibrated_low`` (added to the exploration before any run and judged by the same
+      rule), reported beside; the choice reads ``fp8_calibrated``, the plan's arm.
+
+    The choice: the usable candidate that separates with the largest max(|d|); ties (equal to 3 decimals)
+    go to the fewest ``departures`` from the confirmed regime, then to the name. While any candidate lacks
+    one of bf16, fp8_calibrated, fp8_fixed_wide, nothing is chosen (``pending`` names them). If every
+    candidate is finished and none is usable and separating, ``choice`` is None and ``finding`` says so:
+    the best fixed window does what tracking does there, and the plan runs no confirmation for question 1.
+
+    Returns ``{"rows": [{candidate, bf16_gain, usable, d_last10, d_all, separates, low_d_last10, low_d_all,
+    low_separates}], "pending": [cand], "choice": cand | None, "finding": str}``."""
+    def diff(a, b, key):
+        return None if a is None or b is None or a[key] is None or b[key] is None else a[key] - b[key]
+
+    def sep(d1, d2):
+        return None if d1 is None or d2 is None else max(abs(d1), abs(d2)) >= separation - 1e-12
+
+    rows, pending = [], []
+    for cand, arms in candidates.items():
+        bf16, cal, wide, low = (arms.get(a) for a in ("bf16", "fp8_calibrated", "fp8_fixed_wide",
+                                                      "fp8_calibrated_low"))
+        if bf16 is None or cal is None or wide is None:
+            pending.append(cand)
+        gain = None if bf16 is None else bf16["gain"]
+        row = {"candidate": cand, "bf16_gain": gain, "usable": None if gain is None else gain >= gain_target,
+               "d_last10": diff(cal, wide, "reward_last10"), "d_all": diff(cal, wide, "reward_all"),
+               "low_d_last10": diff(low, wide, "reward_last10"), "low_d_all": diff(low, wide, "reward_all")}
+        row["separates"] = sep(row["d_last10"], row["d_all"])
+        row["low_separates"] = sep(row["low_d_last10"], row["low_d_all"])
+        rows.append(row)
+    if pending:
+        return {"rows": rows, "pending": pending, "choice": None,
+                "finding": f"not chosen yet, no finished bf16, fp8_calibrated and fp8_fixed_wide runs for "
+                           f"{', '.join(pending)}"}
+    eligible = [r for r in rows if r["usable"] and r["separates"]]
+    if not eligible:
+        return {"rows": rows, "pending": [], "choice": None,
+                "finding": "no usable candidate separates fp8_calibrated from its fixed window on seed 1: the "
+                           "best fixed window does what tracking does in these regimes (no confirmation for "
+                           "question 1)"}
+    best = min(eligible, key=lambda r: (-round(max(abs(r["d_last10"]), abs(r["d_all"])), 3),
+                                        departures.get(r["candidate"], 0), r["candidate"]))
+    return {"rows": rows, "pending": [], "choice": best["candidate"],
+            "finding": f"{best['candidate']} (usable; fp8_calibrated - fp8_fixed_wide {best['d_last10']:+.3f} "
+                       f"last 10, {best['d_all']:+.3f} over all steps)"}
+
+
+def track_rule_table(rule: dict) -> str:
+    """:func:`track_rule`'s rows as markdown, and its outcome."""
+    def yn(v):
+        return "-" if v is None else ("yes" if v else "no")
+
+    out = ["| candidate | bf16 gain | usable | calibrated - fixed window, last 10 | over all steps | separates | "
+           "calibrated_low - fixed window, last 10 | over all steps | separates |", "|" + " --- |" * 9]
+    for r in rule["rows"]:
+        out.append(f"| {r['candidate']} | {_f(r['bf16_gain'], '+.3f')} | {yn(r['usable'])} | "
+                   f"{_f(r['d_last10'], '+.3f')} | {_f(r['d_all'], '+.3f')} | {yn(r['separates'])} | "
+                   f"{_f(r['low_d_last10'], '+.3f')} | {_f(r['low_d_all'], '+.3f')} | {yn(r['low_separates'])} |")
+    return "\n".join(out) + f"\n\nThe rule's choice for the confirmation: {rule['finding']}."
+
+
+def track_verdicts(last10: dict[str, dict[int, float]], min_seeds: int = 3) -> str:
+    """Issue 41's confirmation verdicts from the primary measure (``last10[arm][seed]``: a finished run's
+    last-10 mean reward), by the plan's rule: a question is answered where the 95% bootstrap interval of the
+    per-seed difference lies on one side of 0, and is *not shown* otherwise, stated with the gap the seeds
+    could have seen (:func:`gap_seen_with_power`). Fewer than ``min_seeds`` paired seeds: pending.
+
+    * question 1: fp8_calibrated - fp8_fixed_wide (above 0: tracking adds; below: the fixed window does
+      better);
+    * question 2: fp8_calibrated - fp8_recompute_tis (above 0: calibration does better than recompute + TIS;
+      below: recompute + TIS does better)."""
+    questions = (("question 1", "fp8_calibrated", "fp8_fixed_wide", "tracking adds", "the fixed window does better"),
+                 ("question 2", "fp8_calibrated", "fp8_recompute_tis", "calibration does better than recompute + TIS",
+                  "recompute + TIS does better than calibration"))
+    lines = []
+    for q, a, b, above, below in questions:
+        seeds = sorted(set(last10.get(a, {})) & set(last10.get(b, {})))
+        diffs = [last10[a][s] - last10[b][s] for s in seeds]
+        if len(diffs) < min_seeds:
+            lines.append(f"- {q} ({a} - {b}): pending, {len(diffs)} of {min_seeds} paired seeds finished.")
+            continue
+        lo, hi = bootstrap_interval(diffs)
+        mean = sum(diffs) / len(diffs)
+        if lo > 0:
+            verdict = above
+        elif hi < 0:
+            verdict = below
+        else:
+            gap = gap_seen_with_power(diffs)
+            verdict = f"not shown (a true gap of {gap:.3f} would be seen 4 times in 5 at this spread)"
+        lines.append(f"- {q} ({a} - {b}, {len(diffs)} seeds): {mean:+.3f} [{lo:+.3f}, {hi:+.3f}]: {verdict}.")
+    return "\n".join(lines)
+
+
 def sweep_table(rows: list[tuple[str, list[str], dict, int]]) -> str:
     """``rows``: (point, its overrides, run_stats, planned steps)."""
     out = [("| point | overrides | steps | reward first 10 | last 10 | gain | accuracy first 10 | last 10 | "

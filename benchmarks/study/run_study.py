@@ -38,6 +38,13 @@ exploration's runs, the confirmation's runs and its paired per-seed differences 
   the control fp8_fixed_wide (fixed clip at [0.5, 2.0]), ``--confirm-steps``; planned primary arms seed by
   seed first, then the ablation (:data:`PROTOCOL_ABLATION_ARMS`), then the control
   (:data:`PROTOCOL_CONTROL_ARMS`).
+* ``track`` (issue 41): the arms of :data:`TRACK_ARMS` on each candidate of :data:`TRACK_CANDIDATES`, seed
+  :data:`EXPLORE_SEED`, with pooled calibration and the stop string; ``--report`` adds the exploration rule's
+  table and its choice (``protocol_report.track_rule``).
+* ``track_confirm`` (issue 41): on the one ``--candidates`` the rule chose (else refused, unless
+  ``--any-candidate``), ``--confirm-seeds`` (default :data:`TRACK_CONFIRM_SEEDS`; never
+  :data:`TRACK_USED_SEEDS`), the arms of :data:`TRACK_CONFIRM_ARMS` seed by seed, then
+  :data:`TRACK_CONFIRM_LATE_ARMS`; ``--report`` adds the paired tables and the verdicts on questions 1 and 2.
 
 Every protocol run calibrates (or, bf16 and fixed clip, measures) every :data:`PROTOCOL_CALIB_INTERVAL`
 steps, so every arm logs ``calib/neg_push`` (nemo_fp8rl/algorithms/push.py) on the same steps.
@@ -322,14 +329,17 @@ TRACK_ARMS = {
 """Issue 41's arms (the FP8 recipe comes from the candidate); docs/results.md, "Tracking vs a fixed window"."""
 TRACK_CANDIDATES = {
     # lr1e-5_easy (the confirmed regime) run twice as long: the entropy falls towards 0.02 by step 100
-    "long200": {"regime": "lr1e-5_easy", "extra": ["fp8=blockwise"], "steps": 200},
+    "long200": {"regime": "lr1e-5_easy", "extra": ["fp8=blockwise"], "steps": 200, "departures": 1},
     # a higher learning rate: a wide fixed window lets through updates BF16's quantile would clip
-    "2xlr": {"regime": "lr1e-5_easy", "extra": ["fp8=blockwise", "optim.lr=2e-05"], "steps": 100},
+    "2xlr": {"regime": "lr1e-5_easy", "extra": ["fp8=blockwise", "optim.lr=2e-05"], "steps": 100, "departures": 1},
     # larger FP8 noise (E5M2 forward), the exploration's noisiest qualifying condition
-    "e5m2": {"regime": "lr1e-5_easy", "extra": ["fp8=tensorwise", "fp8.fp8_format=e5m2"], "steps": 100},
+    "e5m2": {"regime": "lr1e-5_easy", "extra": ["fp8=tensorwise", "fp8.fp8_format=e5m2"], "steps": 100,
+             "departures": 2},
 }
 """Issue 41's candidate regimes, explored on seed 1 (:data:`EXPLORE_SEED`): a candidate's non-FP8 overrides
-apply to its BF16 reference too (as :data:`EXPLORE`'s)."""
+apply to its BF16 reference too (as :data:`EXPLORE`'s). ``departures``: how many settings it changes from the
+confirmed regime (lr1e-5_easy, blockwise, 100 steps): the rule's tie-break (e5m2 changes the recipe and the
+format)."""
 TRACK_WIDE: dict[str, tuple[float, float]] = {
     # 2026-12-05 from the seed-1 fp8_calibrated records (steps 6-99): lower 0.500 [0.500, 0.519], upper 2.289
     "2xlr": (0.5, 2.29),
@@ -343,6 +353,43 @@ planned."""
 TRACK_ARM_ORDER = ("fp8_calibrated", "fp8_fixed_wide", "bf16", "fp8", "fp8_recompute_tis", "fp8_calibrated_low")
 """The plan's order (docs/results.md): the calibrated run first (its bounds set the fixed window), then that window,
 then the references."""
+TRACK_CONFIRM_ARMS = ("fp8_calibrated", "fp8_fixed_wide", "fp8_recompute_tis", "bf16", "fp8")
+"""The confirmation's arms as the plan wrote them before any track run (docs/results.md, 2026-12-04 19:10), in
+the order each seed runs them: the two arms of question 1 first, then question 2's, then the references."""
+TRACK_CONFIRM_LATE_ARMS = ("fp8_calibrated_low",)
+"""Added to the exploration before any track run and judged by the same rule; not in the plan's list of
+confirmation arms, so planned after every seed of :data:`TRACK_CONFIRM_ARMS`: it delays none of them."""
+TRACK_USED_SEEDS = (SWEEP_SEED, EXPLORE_SEED, 11, 12, 13)
+"""Seeds the confirmation of issue 41 never uses: the sweep's and the exploration's (1), and the first
+confirmation's (11-13, whose results motivated the questions)."""
+TRACK_CONFIRM_SEEDS = "21,22,23"
+"""``--confirm-seeds``' default for ``--stage track_confirm`` (3 first, then chunks up to 11, the plan's power)."""
+
+
+def _track_overrides(cand: str, arm: str) -> list[str]:
+    """The overrides of ``arm`` on the track candidate ``cand`` (its regime, the stop string, its FP8 recipe for
+    the FP8 arms and only its non-FP8 settings for bf16, the arm's calibration; fp8_fixed_wide at
+    :data:`TRACK_WIDE`, which must be known)."""
+    c = TRACK_CANDIDATES[cand]
+    regime = [*PROTOCOL_BASE, *SWEEP[c["regime"]], *TRACK_STOP]
+    extra = list(c["extra"])
+    shared = [o for o in extra if not o.startswith(FP8_KEYS)]
+    ov = list(TRACK_ARMS[arm])
+    if arm == "fp8_fixed_wide":
+        lo, hi = TRACK_WIDE[cand]
+        ov = [o.format(wide_eps_low=f"{1 - lo:g}", wide_eps_high=f"{hi - 1:g}") for o in ov]
+    return [*regime, *(shared if arm == "bf16" else extra), *ov]
+
+
+def track_rule(out: Path, record: Path) -> dict:
+    """:func:`protocol_report.track_rule` on the seed-1 exploration runs (``--stage track``) in ``out`` or
+    their records; a run counts once it has all its steps."""
+    runs = stage_runs(argparse.Namespace(stage="track", candidates="", checkpoint_every=10))
+    by_cand: dict[str, dict[str, dict | None]] = {c: {} for c in TRACK_CANDIDATES}
+    for r in runs:
+        s = protocol_report.run_stats(protocol_report.read_metrics([run_dir(out, r), record / r["group"] / r["name"]]))
+        by_cand[r["name"].split("/")[0]][r["arm"]] = s if s["steps"] >= r["steps"] else None
+    return protocol_report.track_rule(by_cand, {c: v["departures"] for c, v in TRACK_CANDIDATES.items()})
 
 
 def _last(overrides: list[str], key: str, default: str | None = None) -> str | None:
@@ -376,22 +423,34 @@ def stage_runs(args) -> list[dict]:
                     checkpoint_interval=ckpt, overrides=overrides)
 
     if args.stage == "track":
-        runs = []
-        for cand in _select(args.candidates, TRACK_CANDIDATES):
-            c = TRACK_CANDIDATES[cand]
-            regime = [*PROTOCOL_BASE, *SWEEP[c["regime"]], *TRACK_STOP]
-            extra = list(c["extra"])
-            shared = [o for o in extra if not o.startswith(FP8_KEYS)]
-            for arm in TRACK_ARM_ORDER:
-                ov = [o for o in TRACK_ARMS[arm]]
-                if arm == "fp8_fixed_wide":
-                    if cand not in TRACK_WIDE:
-                        continue
-                    lo, hi = TRACK_WIDE[cand]
-                    ov = [o.format(wide_eps_low=f"{1 - lo:g}", wide_eps_high=f"{hi - 1:g}") for o in ov]
-                runs.append(run(f"{cand}/{arm}", EXPLORE_SEED, c["steps"], arm,
-                                [*regime, *(shared if arm == "bf16" else extra), *ov]))
-        return runs
+        return [run(f"{cand}/{arm}", EXPLORE_SEED, TRACK_CANDIDATES[cand]["steps"], arm, _track_overrides(cand, arm))
+                for cand in _select(args.candidates, TRACK_CANDIDATES) for arm in TRACK_ARM_ORDER
+                if arm != "fp8_fixed_wide" or cand in TRACK_WIDE]
+    if args.stage == "track_confirm":
+        cand = _select(args.candidates, TRACK_CANDIDATES) if args.candidates else []
+        if len(cand) != 1:
+            raise SystemExit("--stage track_confirm needs --candidates with one candidate: the exploration's "
+                             "choice (--stage track --report prints the rule's outcome)")
+        cand = cand[0]
+        seeds = _seeds(args.confirm_seeds or TRACK_CONFIRM_SEEDS)
+        used = sorted(set(seeds) & set(TRACK_USED_SEEDS))
+        if used:
+            raise SystemExit(f"--confirm-seeds {used} were used by the sweep, the exploration or the first "
+                             f"confirmation ({sorted(set(TRACK_USED_SEEDS))}); issue 41's confirmation needs fresh "
+                             f"seeds, e.g. the default {TRACK_CONFIRM_SEEDS}")
+        if cand not in TRACK_WIDE:
+            raise SystemExit(f"candidate {cand!r} has no fixed window in TRACK_WIDE yet: fill it from its seed-1 "
+                             "fp8_calibrated run (--stage track --report) first")
+        if not getattr(args, "any_candidate", False):
+            rule = track_rule(Path(args.out), Path(args.record))
+            if rule["choice"] != cand:
+                raise SystemExit(f"--candidates {cand}: the exploration's rule (docs/results.md) does not choose it; "
+                                 f"its outcome: {rule['finding']}. Run --stage track --report for the table, or pass "
+                                 "--any-candidate to run it outside the plan (then say so beside its numbers)")
+        steps = TRACK_CANDIDATES[cand]["steps"]
+        order = [(seed, arm) for seed in seeds for arm in TRACK_CONFIRM_ARMS]
+        order += [(seed, arm) for arm in TRACK_CONFIRM_LATE_ARMS for seed in seeds]
+        return [run(f"{cand}/{arm}", seed, steps, arm, _track_overrides(cand, arm)) for seed, arm in order]
     if args.stage == "sweep":
         return [run(p, SWEEP_SEED, args.sweep_steps, "bf16", [*PROTOCOL_BASE, *SWEEP[p], *PROTOCOL_ARMS["bf16"]])
                 for p in _select(args.points, SWEEP)]
@@ -426,7 +485,8 @@ def stage_runs(args) -> list[dict]:
         cond = _select(args.condition, EXPLORE)
         if len(cond) != 1:
             raise SystemExit("--condition takes one exploration condition")
-        used = sorted(set(_seeds(args.confirm_seeds)) & {SWEEP_SEED, EXPLORE_SEED})
+        confirm_seeds = _seeds(args.confirm_seeds or "11,12,13")
+        used = sorted(set(confirm_seeds) & {SWEEP_SEED, EXPLORE_SEED})
         if used:
             raise SystemExit(f"--confirm-seeds {used} were used by the sweep or the exploration; the "
                              "confirmation needs fresh seeds")
@@ -437,13 +497,12 @@ def stage_runs(args) -> list[dict]:
         # before the ablation. The order is fixed before any confirmation result exists; it selects nothing.
         # The control arm came after all of that, so it is planned last.
         primary = [a for a in PROTOCOL_ARMS if a not in PROTOCOL_ABLATION_ARMS + PROTOCOL_CONTROL_ARMS]
-        order = [(seed, arm) for seed in _seeds(args.confirm_seeds) for arm in primary]
-        order += [(seed, arm) for arm in PROTOCOL_ABLATION_ARMS + PROTOCOL_CONTROL_ARMS
-                  for seed in _seeds(args.confirm_seeds)]
+        order = [(seed, arm) for seed in confirm_seeds for arm in primary]
+        order += [(seed, arm) for arm in PROTOCOL_ABLATION_ARMS + PROTOCOL_CONTROL_ARMS for seed in confirm_seeds]
         return [run(f"{args.regime}/{cond[0]}/{arm}", seed, args.confirm_steps, arm,
                     [*regime, *(shared if arm == "bf16" else extra), *PROTOCOL_ARMS[arm]])
                 for seed, arm in order]
-    raise SystemExit(f"--stage {args.stage!r}: choose sweep, explore, confirm or track")
+    raise SystemExit(f"--stage {args.stage!r}: choose sweep, explore, confirm, track or track_confirm")
 
 
 # ------------------------------------------------------------------ run state: done / resume / restart
@@ -821,7 +880,8 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
         table += ("\n\nCalibration batches of the calibrated runs (protocol_report.calibration_batch_stats):\n\n"
                   + protocol_report.calibration_batch_table(calibrated))
     if stage == "track":
-        return table
+        return (table + "\n\nIssue 41's rule on seed 1 (protocol_report.track_rule; d = arm - fp8_fixed_wide):\n\n"
+                + protocol_report.track_rule_table(track_rule(out, record)))
     last10: dict[str, dict[int, float]] = {}
     every: dict[str, dict[int, float]] = {}
     by_arm: dict[str, list[dict]] = {}
@@ -831,12 +891,20 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
             every.setdefault(r["arm"], {})[r["seed"]] = s["reward_all"]
             by_arm.setdefault(r["arm"], []).append(s)
     table += "\n\nPer arm over its finished seeds (mean [lowest, highest]):\n\n" + protocol_report.arm_means_table(by_arm)
-    pairs = [("fp8_calibrated", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16"),
-             ("fp8_calibrated_upper_fixed", "fp8"), ("fp8_calibrated_upper_fixed", "fp8_calibrated"),
-             ("fp8_calibrated", "fp8_fixed_wide"), ("fp8_fixed_wide", "fp8")]
+    if stage == "track_confirm":  # issue 41: questions 1 and 2 first, then what each arm does against fixed clip
+        pairs = [("fp8_calibrated", "fp8_fixed_wide"), ("fp8_calibrated", "fp8_recompute_tis"),
+                 ("fp8_calibrated_low", "fp8_fixed_wide"), ("fp8_calibrated", "fp8"), ("fp8_fixed_wide", "fp8"),
+                 ("fp8_recompute_tis", "fp8"), ("fp8", "bf16")]
+    else:
+        pairs = [("fp8_calibrated", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16"),
+                 ("fp8_calibrated_upper_fixed", "fp8"), ("fp8_calibrated_upper_fixed", "fp8_calibrated"),
+                 ("fp8_calibrated", "fp8_fixed_wide"), ("fp8_fixed_wide", "fp8")]
     # primary: the last-10 mean; secondary: the mean over all steps (docs/results.md, the confirmation plan)
-    return (table + "\n\n" + protocol_report.paired_table(last10, pairs) + "\n\n"
-            + protocol_report.paired_table(every, pairs, measure="over all steps"))
+    table += ("\n\n" + protocol_report.paired_table(last10, pairs) + "\n\n"
+              + protocol_report.paired_table(every, pairs, measure="over all steps"))
+    if stage == "track_confirm":
+        table += "\n\nVerdicts (primary measure, last 10):\n\n" + protocol_report.track_verdicts(last10)
+    return table
 
 
 def stage_samples(runs: list[dict], out: Path, record: Path, seed: int) -> str:
@@ -875,15 +943,19 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Hydra overrides appended to every run's own (e.g. a smaller warm-up for a smoke test)")
     p = ap.add_argument_group("issue 28's protocol")
-    p.add_argument("--stage", choices=["sweep", "explore", "confirm", "track"],
+    p.add_argument("--stage", choices=["sweep", "explore", "confirm", "track", "track_confirm"],
                    help="a stage of the protocol instead of --only's groups")
     p.add_argument("--points", default="", help="sweep: comma-separated points of SWEEP (default: all)")
     p.add_argument("--regime", default="", help="explore, confirm: the sweep point the FP8 arms run in")
     p.add_argument("--conditions", default="", help="explore: comma-separated conditions of EXPLORE (default: all)")
     p.add_argument("--condition", default="", help="confirm: the exploration's chosen condition")
-    p.add_argument("--candidates", default="", help="track (issue 41): comma-separated TRACK_CANDIDATES (default: all)")
-    p.add_argument("--confirm-seeds", default="11,12,13",
-                   help="confirm: fresh seeds (never the sweep's or the exploration's)")
+    p.add_argument("--candidates", default="", help="track (issue 41): comma-separated TRACK_CANDIDATES (default: "
+                   "all); track_confirm: the one candidate the exploration's rule chose")
+    p.add_argument("--any-candidate", action="store_true",
+                   help="track_confirm: run --candidates even where the exploration's rule chose another or none")
+    p.add_argument("--confirm-seeds", default=None,
+                   help="confirm: fresh seeds (never the sweep's or the exploration's; default 11,12,13); "
+                        f"track_confirm: never {sorted(set(TRACK_USED_SEEDS))} (default {TRACK_CONFIRM_SEEDS})")
     p.add_argument("--sweep-steps", type=int, default=100)
     p.add_argument("--explore-steps", type=int, default=100)
     p.add_argument("--confirm-steps", type=int, default=100)
@@ -926,7 +998,7 @@ def main() -> None:
         return
     if args.report:
         if not args.stage:
-            raise SystemExit("--report needs --stage (sweep, explore or confirm)")
+            raise SystemExit("--report needs --stage (sweep, explore, confirm, track or track_confirm)")
         print(stage_report(args.stage, runs, out, record, Path(args.figure) if args.figure else None))
         if args.samples is not None:
             print("\n" + stage_samples(runs, out, record, args.samples))
