@@ -345,6 +345,8 @@ TRACK_WIDE: dict[str, tuple[float, float]] = {
     "2xlr": (0.5, 2.29),
     # lower 0.500 [0.500, 0.590], upper 2.372
     "e5m2": (0.5, 2.37),
+    # 2026-12-06 from the seed-1 long200 fp8_calibrated record (steps 6-199): lower 0.500 [0.500, 0.589], upper 2.095
+    "long200": (0.5, 2.10),
 }
 """Per candidate, the fixed window (lower, upper) of its ``fp8_fixed_wide`` arm: the medians over steps of
 ``clip/lower`` and ``clip/upper`` in force in its seed-1 ``fp8_calibrated`` run (after the first round), filled
