@@ -293,8 +293,7 @@ def track_verdicts(last10: dict[str, dict[int, float]], min_seeds: int = 3) -> s
                   "recompute + TIS does better than calibration"))
     lines = []
     for q, a, b, above, below in questions:
-        seeds = sorted(set(last10.get(a, {})) & set(last10.get(b, {})))
-        diffs = [last10[a][s] - last10[b][s] for s in seeds]
+        _, diffs = paired_diffs(last10, a, b)
         if len(diffs) < min_seeds:
             lines.append(f"- {q} ({a} - {b}): pending, {len(diffs)} of {min_seeds} paired seeds finished.")
             continue
@@ -373,6 +372,12 @@ def arm_means_table(by_arm: dict[str, list[dict]]) -> str:
     return "\n".join(out)
 
 
+def paired_diffs(by_seed: dict[str, dict[int, float]], a: str, b: str) -> tuple[list[int], list[float]]:
+    """The seeds both arms finished (sorted) and a - b on each: ``by_seed[arm][seed]`` a run's measure."""
+    seeds = sorted(set(by_seed.get(a, {})) & set(by_seed.get(b, {})))
+    return seeds, [by_seed[a][s] - by_seed[b][s] for s in seeds]
+
+
 def paired_table(by_seed: dict[str, dict[int, float]], pairs: list[tuple[str, str]], measure: str = "last 10") -> str:
     """``by_seed[arm][seed]``: a finished run's reward measure (``measure`` names it in the header: the last-10
     mean, or the mean over all steps). Per pair (a, b): a - b per seed, the mean and its bootstrap interval
@@ -380,8 +385,7 @@ def paired_table(by_seed: dict[str, dict[int, float]], pairs: list[tuple[str, st
     out = [f"| comparison (reward {measure}) | seeds | per seed (a - b) | mean | 95% bootstrap interval "
            "| gap seen w/ 80% power |", "|" + " --- |" * 6]
     for a, b in pairs:
-        seeds = sorted(set(by_seed.get(a, {})) & set(by_seed.get(b, {})))
-        diffs = [by_seed[a][s] - by_seed[b][s] for s in seeds]
+        seeds, diffs = paired_diffs(by_seed, a, b)
         if not diffs:
             out.append(f"| {a} - {b} | 0 | - | - | - | - |")
             continue
