@@ -143,7 +143,8 @@ class Scores:
     ``errors`` counts reward calls that raised, timed out, crashed or returned a non-number (they score
     0); ``error_messages`` keeps the first few for the log. ``trailing`` (bool [n], or None for a task
     without a closing answer tag): the response has non-whitespace text after its final answer's closing
-    tag (a sample that ran on past its answer; ``task.trailing_text_penalty``).
+    tag (a sample that ran on past its answer; ``task.trailing_text_penalty``). ``unclosed`` (bool [n], or
+    None likewise): its final answer was read from an opening tag that is never closed (the lenient parse).
     """
 
     rewards: torch.Tensor
@@ -152,10 +153,12 @@ class Scores:
     errors: int
     error_messages: list[str] = field(default_factory=list)
     trailing: torch.Tensor | None = None
+    unclosed: torch.Tensor | None = None
 
     def metrics(self) -> dict[str, Metric]:
         """``reward/mean``, ``reward/accuracy``, ``rollout/invalid_frac`` (means) and ``reward/errors`` (sum);
-        ``reward/trailing_text`` (the share of ``trailing``, a mean) for tasks that have the notion."""
+        ``reward/trailing_text`` and ``reward/unclosed_answer`` (the shares of ``trailing`` and ``unclosed``,
+        means) for tasks that have the notion."""
         n = max(int(self.rewards.numel()), 1)
         out = {
             "reward/mean": make_metric(self.rewards.float().sum() / n, "mean"),
@@ -165,6 +168,8 @@ class Scores:
         }
         if self.trailing is not None:
             out["reward/trailing_text"] = make_metric(self.trailing.float().sum() / n, "mean")
+        if self.unclosed is not None:
+            out["reward/unclosed_answer"] = make_metric(self.unclosed.float().sum() / n, "mean")
         return out
 
 
@@ -212,6 +217,13 @@ class Task(ABC):
     def reward_fn(self) -> Callable[[str, str], Any]:
         """Picklable ``f(response_text, answer) -> reward | (reward, correct)`` run in the reward worker."""
 
+    @property
+    def reward_prepare(self) -> Callable[[], Any] | None:
+        """Picklable ``f()`` each reward worker runs once before its first ``reward_fn`` call, outside the
+        per-call ``reward_timeout_s`` (importing the checker; :mod:`~nemo_fp8rl.tasks.reward_runner`). None:
+        nothing to prepare."""
+        return None
+
     @abstractmethod
     def prompts(self, n: int, generator: torch.Generator | None = None) -> list[Prompt]:
         """The next ``n`` prompts (from ``generator``, else from the task's own stream, which advances)."""
@@ -241,13 +253,15 @@ class Task(ABC):
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> Scores:
         """Score ``responses[i]`` against ``prompts[i].answer``; see :class:`Scores`.
 
-        The reward function runs in the reward worker with a ``reward_timeout_s`` deadline per call.
+        The reward function runs in the reward worker with a ``reward_timeout_s`` deadline per call, after
+        :attr:`reward_prepare` (once per worker, under the worker's start-up deadline).
         """
         if len(prompts) != len(responses):
             raise ValueError(f"score() got {len(prompts)} prompts but {len(responses)} responses")
         if self._runner is None:
             self._runner = RewardRunner(self.reward_timeout_s)
-        results = self._runner.run(self.reward_fn, [(r, p.answer) for p, r in zip(prompts, responses)])
+        results = self._runner.run(self.reward_fn, [(r, p.answer) for p, r in zip(prompts, responses)],
+                                   prepare=self.reward_prepare)
         msgs = [f"response {i}: {res.error}" for i, res in enumerate(results) if res.error is not None]
         return Scores(
             rewards=torch.tensor([res.reward for res in results], dtype=torch.float32),

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nemo_fp8rl.tasks.base import CharTokenizer, Prompt, Task, pad_examples, register_task
-from nemo_fp8rl.tasks.rewards import has_boxed_answer, math_verify_reward
+from nemo_fp8rl.tasks.rewards import has_boxed_answer, math_verify_reward, prepare_math_verify
 
 __all__ = ["JsonlDataError", "MathJsonlTask"]
 
@@ -354,6 +354,10 @@ class MathJsonlTask(Task):
     @property
     def reward_fn(self) -> Callable[[str, str], Any]:
         return functools.partial(math_verify_reward, format_reward=self.format_reward)
+
+    @property
+    def reward_prepare(self) -> Callable[[], Any]:
+        return prepare_math_verify
 
     def is_valid(self, text: str) -> bool:
         """Well-formed = holds a non-empty ``\\boxed{...}`` and all braces are balanced."""

@@ -32,7 +32,10 @@ Reward: reasoning-gym's ``score_answer`` on the content of the response's last `
 invalid (``rollout/invalid_frac``, the stability monitor's garbled-output signal) and scores 0. A
 response with non-whitespace text after its final answer's closing tag (it ran on past the answer) is
 counted in ``reward/trailing_text`` and, with ``task.trailing_text_penalty`` p > 0, scores p less (a format
-penalty; ``rollout.stop=['</answer>']`` ends responses at the tag instead).
+penalty; ``rollout.stop=['</answer>']`` ends responses at the tag instead). A final answer read from an
+opening tag that is never closed (the lenient parse of
+:func:`~nemo_fp8rl.tasks.reasoning_gym_reward.extract_answer`) is counted in ``reward/unclosed_answer``: its
+reward stands, but a rising share is a format drifting away from the tags.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ import torch
 
 from nemo_fp8rl.config.schema import ConfigError
 from nemo_fp8rl.tasks.base import CharTokenizer, Prompt, Scores, Task, pad_examples, register_task
-from nemo_fp8rl.tasks.reasoning_gym_reward import extract_answer, reasoning_gym_reward, trailing_text
+from nemo_fp8rl.tasks.reasoning_gym_reward import (extract_answer, prepare_scorer, reasoning_gym_reward, trailing_text,
+                                                    unclosed_answer)
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "ReasoningGymTask", "dataset_names"]
 
@@ -381,14 +385,21 @@ class ReasoningGymTask(Task):
                                  answer_tag=self.answer_tag, format_reward=self.format_reward,
                                  response_prefix=self.response_prefix)
 
+    @property
+    def reward_prepare(self) -> Callable[[], Any]:
+        """Builds the dataset's scorer once per reward worker, before its first call (the import is slow)."""
+        return functools.partial(prepare_scorer, self.dataset, json.dumps(self.dataset_kwargs, sort_keys=True))
+
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> Scores:
         """As :meth:`Task.score`, but the reward worker gets each prompt's whole reasoning-gym entry
         (``score_answer`` reads its metadata, not only the answer string). ``Scores.trailing`` flags the
         responses with text after their final answer's closing tag (``response_prefix + response``); with
-        ``trailing_text_penalty`` p their reward is lowered by p."""
+        ``trailing_text_penalty`` p their reward is lowered by p. ``Scores.unclosed`` flags those whose final
+        answer was read from a tag never closed."""
         scores = super().score([dataclasses.replace(p, answer=p.meta["entry"]) for p in prompts], responses)
-        scores.trailing = torch.tensor([trailing_text(self.response_prefix + r, self.answer_tag) for r in responses],
-                                       dtype=torch.bool)
+        texts = [self.response_prefix + r for r in responses]
+        scores.trailing = torch.tensor([trailing_text(t, self.answer_tag) for t in texts], dtype=torch.bool)
+        scores.unclosed = torch.tensor([unclosed_answer(t, self.answer_tag) for t in texts], dtype=torch.bool)
         if self.trailing_text_penalty:
             scores.rewards = scores.rewards - self.trailing_text_penalty * scores.trailing.float()
         return scores

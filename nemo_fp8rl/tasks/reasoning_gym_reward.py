@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any
 
-__all__ = ["extract_answer", "reasoning_gym_reward", "trailing_text"]
+__all__ = ["extract_answer", "prepare_scorer", "reasoning_gym_reward", "trailing_text", "unclosed_answer"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -53,12 +53,28 @@ def trailing_text(text: str, tag: str = "answer") -> bool:
     return final is not None and final[1] is not None and bool(text[final[1]:].strip())
 
 
+def unclosed_answer(text: str, tag: str = "answer") -> bool:
+    """Whether the response's final answer (the one :func:`extract_answer` reads) comes from an opening
+    ``<tag>`` that is never closed: scored only because the parse is lenient. A policy whose answers drift
+    into this form (``<answer>3</reference tags, e.g. ...``, seen in issue 41's exploration) keeps its
+    reward while its format degrades; ``reward/unclosed_answer`` logs the share. False without an answer."""
+    final = _final_answer(text, tag)
+    return final is not None and final[1] is None
+
+
 @functools.lru_cache(maxsize=8)
 def _scorer(dataset: str, dataset_kwargs_json: str) -> Any:
     """The configured reasoning-gym dataset whose ``score_answer`` checks answers (one per worker)."""
     import reasoning_gym
 
     return reasoning_gym.create_dataset(dataset, **json.loads(dataset_kwargs_json))
+
+
+def prepare_scorer(dataset: str, dataset_kwargs_json: str) -> None:
+    """Build the dataset's scorer in the reward worker (``import reasoning_gym`` pulls in matplotlib: 1-19 s
+    measured on the 2-core CI machine under load), so that the first reward call finds it cached and is not
+    charged for it (the task's ``reward_prepare``)."""
+    _scorer(dataset, dataset_kwargs_json)
 
 
 def reasoning_gym_reward(response: str, entry: dict[str, Any], *, dataset: str, dataset_kwargs_json: str,

@@ -8,6 +8,13 @@ The parent waits for each result with a per-call deadline; on a timeout it kills
 records reward 0 for that item, starts a fresh worker and continues with the next item. A function that
 raises gets reward 0 too, and so does a result that is not a finite number; all are counted as errors.
 
+What a reward function needs before its first call (importing its checker: ``reasoning_gym`` pulls in
+matplotlib, ``math_verify`` sympy; measured 1-19 s on the 2-core CI machine under load, and more from a
+cold network file system) is not a reward call and must not count against the per-call deadline, or the
+first item of every fresh worker times out, the worker is killed, and the next fresh worker starts over.
+So a task may give a ``prepare`` callable: each worker runs it once, right after loading the function and
+before its first call, under the start-up deadline (``_STARTUP_TIMEOUT_S``).
+
 The worker is a plain ``python -c`` child (not ``multiprocessing``): it imports only this module, the
 standard library and whatever the reward function's module imports when unpickled, so it neither
 re-imports the training entry point (as multiprocessing's spawn/forkserver would) nor inherits the
@@ -82,7 +89,8 @@ def _import_roots(fn: Any) -> list[str]:
 
 
 def _worker_main(read_fd: int, write_fd: int) -> None:
-    """Child process loop: ``("fn", bytes)`` loads a function, ``("run", items)`` evaluates and streams results.
+    """Child process loop: ``("fn", (fn_bytes, prepare_bytes))`` loads a function and runs its ``prepare``
+    (None: nothing to run), ``("run", items)`` evaluates and streams results.
 
     Each item is a tuple of positional arguments; for item i the child sends ``("ok", i, value)`` or
     ``("err", i, message)``.
@@ -112,11 +120,18 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
         except (EOFError, OSError):
             return
         if kind == "fn":
+            fn_bytes, prepare_bytes = payload
             try:
-                fn = pickle.loads(payload)
-                tx.send(("loaded", -1, None))
+                fn = pickle.loads(fn_bytes)
             except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
                 tx.send(("load_err", -1, f"{type(e).__name__}: {e}"))
+                continue
+            try:
+                if prepare_bytes is not None:
+                    pickle.loads(prepare_bytes)()
+                tx.send(("loaded", -1, None))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+                tx.send(("prepare_err", -1, f"{type(e).__name__}: {e}"))
         elif kind == "run":
             for i, args in enumerate(payload):
                 try:
@@ -147,7 +162,8 @@ class RewardRunner:
         self._proc: subprocess.Popen | None = None
         self._tx: Connection | None = None
         self._rx: Connection | None = None
-        self._fn_bytes: bytes | None = None
+        self._fn_bytes: tuple[bytes, bytes | None] | None = None
+        """The (function, prepare) the current worker has loaded."""
         self._extra_paths: list[str] = []
         self.restarts = 0
         """Workers started after the first (each timeout or crash costs one)."""
@@ -220,48 +236,63 @@ class RewardRunner:
         """Process id of the current worker (None when none runs)."""
         return None if self._proc is None else self._proc.pid
 
-    def _load(self, fn: Any, fn_bytes: bytes) -> None:
-        roots = [r for r in _import_roots(fn) if r not in self._extra_paths]
+    def _load(self, fn: Any, fn_bytes: bytes, prepare: Any, prepare_bytes: bytes | None) -> None:
+        roots = [r for f in (fn, prepare) if f is not None for r in _import_roots(f)]
+        roots = [r for r in dict.fromkeys(roots) if r not in self._extra_paths]
         if roots:  # the worker must be able to import fn's module: (re)start it with those roots
             self._extra_paths += roots
             self._kill()
         if self._proc is None:
             self._start()
-        if self._fn_bytes == fn_bytes:
+        if self._fn_bytes == (fn_bytes, prepare_bytes):
             return
-        self._tx.send(("fn", fn_bytes))
+        self._tx.send(("fn", (fn_bytes, prepare_bytes)))
         ok = self._rx.poll(_STARTUP_TIMEOUT_S)
-        kind, _, msg = self._rx.recv() if ok else ("load_err", -1, "timed out while importing the function")
+        kind, _, msg = (self._rx.recv() if ok else
+                        ("load_err", -1, f"timed out after {_STARTUP_TIMEOUT_S:.0f} s while importing the function "
+                                         "or running its prepare"))
+        if kind == "prepare_err":
+            self._kill()
+            raise RuntimeError(f"the reward worker could not prepare the reward function: {msg} (the task's "
+                               "reward_prepare, run once per worker before its first call)")
         if kind != "loaded":
             self._kill()
             raise RuntimeError(
                 f"the reward worker could not load the reward function: {msg}. It must be importable by "
                 "reference (a module-level function or functools.partial of one) from the worker's sys.path"
             )
-        self._fn_bytes = fn_bytes
+        self._fn_bytes = (fn_bytes, prepare_bytes)
 
     # ------------------------------------------------------------------ evaluation
-    def run(self, fn: Callable[..., Any], items: Sequence[tuple]) -> list[RewardResult]:
+    def run(self, fn: Callable[..., Any], items: Sequence[tuple],
+            prepare: Callable[[], Any] | None = None) -> list[RewardResult]:
         """Evaluate ``fn(*args)`` for every ``args`` in ``items``; one :class:`RewardResult` per item, in order.
 
         The function returns a reward ``float`` or ``(reward, correct)``. Exceptions, timeouts
         (> ``timeout_s`` per call), worker crashes and invalid return values give reward 0 and an error
-        message; they never raise. Raises only when ``fn`` cannot be pickled or loaded in the worker
-        (a programming error that would otherwise silently zero every reward).
+        message; they never raise. Raises only when ``fn`` or ``prepare`` cannot be pickled, loaded or
+        run in the worker (a programming error that would otherwise silently zero every reward).
+
+        ``prepare``: a picklable callable without arguments that each worker runs once, after loading
+        ``fn`` and before its first call, under the start-up deadline rather than ``timeout_s`` (imports and
+        set-up the function needs; see the module docstring). Its return value is ignored.
         """
-        try:
-            fn_bytes = pickle.dumps(fn)
-        except Exception as e:
-            raise TypeError(
-                f"reward function {fn!r} is not picklable ({e}); use a module-level function or a functools.partial of one"
-            ) from e
+        blobs = []
+        for what, f in (("reward function", fn), ("reward prepare", prepare)):
+            try:
+                blobs.append(None if f is None else pickle.dumps(f))
+            except Exception as e:
+                raise TypeError(
+                    f"{what} {f!r} is not picklable ({e}); use a module-level function or a functools.partial of one"
+                ) from e
+        fn_bytes, prepare_bytes = blobs
         results: list[RewardResult | None] = [None] * len(items)
         start = 0
         while start < len(items):
             pending = list(items[start:])
             for attempt in range(2):
                 try:
-                    self._load(fn, fn_bytes)
+                    self._load(fn, fn_bytes, prepare, prepare_bytes)
                     self._tx.send(("run", pending))
                     break
                 except (BrokenPipeError, EOFError, OSError):

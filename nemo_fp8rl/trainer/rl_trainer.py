@@ -463,6 +463,8 @@ class RLTrainer:
         }
         if scores.trailing is not None:  # tasks with a closing answer tag: text after it (task.trailing_text_penalty)
             local["reward/trailing_text"] = make_metric(scores.trailing.float().mean(), "mean")
+        if scores.unclosed is not None:  # final answers read from a tag never closed (the lenient parse)
+            local["reward/unclosed_answer"] = make_metric(scores.unclosed.float().mean(), "mean")
         local.update(ds_metrics)
         local.update(kv_metrics)
         if hasattr(self.task, "skipped_rows"):  # data.on_error=skip: malformed rows seen so far
@@ -839,6 +841,7 @@ def _merge_groups(parts, chosen, group_size: int, pad_id: int):
         rewards=pick(lambda p: p[1].rewards), correct=pick(lambda p: p[1].correct),
         invalid=pick(lambda p: p[1].invalid), errors=sum(p[1].errors for p in parts),
         trailing=None if parts[0][1].trailing is None else pick(lambda p: p[1].trailing),
+        unclosed=None if parts[0][1].unclosed is None else pick(lambda p: p[1].unclosed),
     )
     return batch, scores, pick(lambda p: p[2]), pick(lambda p: p[3])
 

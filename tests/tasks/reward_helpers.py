@@ -27,3 +27,25 @@ def flaky_reward(response: str, answer: str) -> tuple[float, bool]:
 def slow_reward(response: str, answer: str, delay: float) -> float:
     time.sleep(delay)
     return 1.0
+
+
+_prepared = False
+"""Whether this worker process has run its (simulated) slow set-up."""
+
+
+def prepare_slowly(delay: float) -> None:
+    """A reward function's set-up that takes ``delay`` seconds (like ``import reasoning_gym``)."""
+    global _prepared
+    time.sleep(delay)
+    _prepared = True
+
+
+def lazy_setup_reward(response: str, answer: str, delay: float) -> float:
+    """Fast, except that a worker's first call does the set-up itself when nobody prepared it."""
+    if not _prepared:
+        prepare_slowly(delay)
+    return 1.0
+
+
+def failing_prepare() -> None:
+    raise ImportError("No module named 'my_checker'")

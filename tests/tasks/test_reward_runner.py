@@ -11,7 +11,7 @@ import pytest
 from nemo_fp8rl.tasks import ArithmeticTask
 from nemo_fp8rl.tasks.reward_runner import RewardRunner
 
-from .reward_helpers import flaky_reward, slow_reward
+from .reward_helpers import failing_prepare, flaky_reward, lazy_setup_reward, prepare_slowly, slow_reward
 
 
 def test_errors_timeouts_and_crashes_score_zero_and_scoring_continues():
@@ -93,3 +93,56 @@ def test_worker_killed_between_batches_is_restarted():
         assert runner.restarts == 1
     finally:
         runner.close()
+
+
+def test_prepare_runs_once_per_worker_outside_the_per_call_deadline():
+    """A checker whose set-up (an import) outlasts the per-call timeout: without ``prepare`` the first call
+    of every fresh worker times out, and the worker that replaces the killed one starts over; with it, each
+    worker sets up once under the start-up deadline and no call is lost, after a restart too."""
+    fn = functools.partial(lazy_setup_reward, delay=2.5)
+    with RewardRunner(timeout_s=1.0) as runner:
+        res = runner.run(fn, [("a", "b")] * 3)
+        assert [r.error is not None for r in res[:2]] == [True, True], res  # the cascade
+        assert "timed out after 1 s" in res[0].error and runner.restarts >= 2
+    with RewardRunner(timeout_s=1.0) as runner:
+        prepare = functools.partial(prepare_slowly, delay=2.5)
+        assert [r.error for r in runner.run(fn, [("a", "b")] * 3, prepare=prepare)] == [None] * 3
+        runner._proc.kill()  # a fresh worker prepares again
+        runner._proc.wait()
+        assert [r.error for r in runner.run(fn, [("a", "b")] * 2, prepare=prepare)] == [None] * 2
+        assert runner.restarts == 1
+
+
+def test_a_failing_or_unpicklable_prepare_is_a_programming_error():
+    with RewardRunner(timeout_s=1.0) as runner:
+        with pytest.raises(RuntimeError, match=r"could not prepare the reward function: ImportError: No module "
+                                               r"named 'my_checker' \(the task's reward_prepare"):
+            runner.run(flaky_reward, [("a", "a")], prepare=failing_prepare)
+        with pytest.raises(TypeError, match="reward prepare .* is not picklable"):
+            runner.run(flaky_reward, [("a", "a")], prepare=lambda: None)
+        assert [r.reward for r in runner.run(flaky_reward, [("a", "a")])] == [1.0]  # and it still works after
+
+
+@pytest.mark.parametrize("name", ["reasoning_gym", "math_jsonl"])
+def test_the_slow_importing_tasks_prepare_their_checker(name, tmp_path):
+    """reasoning_gym (matplotlib) and math_jsonl (SymPy) import their checkers in ``reward_prepare``."""
+    import pickle
+
+    from nemo_fp8rl.tasks import get_task
+
+    pytest.importorskip("reasoning_gym" if name == "reasoning_gym" else "math_verify")
+    kw = {}
+    if name == "math_jsonl":
+        (tmp_path / "d.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+        kw["path"] = str(tmp_path / "d.jsonl")
+    task = get_task(name, **kw)
+    try:
+        prepare = pickle.loads(pickle.dumps(task.reward_prepare))
+        prepare()
+        p = task.prompts(1)[0]
+        good = f"<answer>{p.answer}</answer>" if name == "reasoning_gym" else f"\\boxed{{{p.answer}}}"
+        s = task.score([p], [good])
+        assert s.errors == 0 and s.correct.tolist() == [True]
+    finally:
+        task.close()
+    assert ArithmeticTask().reward_prepare is None

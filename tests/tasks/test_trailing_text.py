@@ -1,5 +1,6 @@
 """Text after the final answer's closing tag: the flag, ``reward/trailing_text``, ``task.trailing_text_penalty``
-(refused where a task has no closing answer tag), and the character tokenizer in Hugging Face form (what the
+(refused where a task has no closing answer tag); final answers read from a tag never closed
+(``reward/unclosed_answer``); and the character tokenizer in Hugging Face form (what the
 vllm engine loads for stop strings)."""
 
 from __future__ import annotations
@@ -11,33 +12,39 @@ import torch
 
 from nemo_fp8rl.config.schema import ConfigError, TrainConfig
 from nemo_fp8rl.tasks import CharTokenizer, Scores, task_class, task_kwargs
-from nemo_fp8rl.tasks.reasoning_gym_reward import extract_answer, trailing_text
+from nemo_fp8rl.tasks.reasoning_gym_reward import extract_answer, trailing_text, unclosed_answer
 
 
-@pytest.mark.parametrize(("text", "answer", "trailing"), [
-    ("<answer>4</answer>", "4", False),
-    ("work <answer>4</answer> \n\t", "4", False),  # whitespace is not text
-    ("<answer>4</answer> junk", "4", True),  # the run-on that demo-real showed
-    ("<answer>4</answer>.", "4", True),
-    ("<answer>4</answer><answer></answer>", "4", True),  # an empty pair is not an answer, but it is text after
-    ("<answer>3</answer> so <answer>4</answer>", "4", False),  # text before the final answer is fine
-    ("<answer>4</answer><answer>5", "5", False),  # final answer in an unclosed tag: no closing tag
-    ("<answer>42</answer\n\nmore", "42", False),
-    ("no tags at all", None, False),
-    ("<answer> </answer> junk", None, False),
+@pytest.mark.parametrize(("text", "answer", "trailing", "unclosed"), [
+    ("<answer>4</answer>", "4", False, False),
+    ("work <answer>4</answer> \n\t", "4", False, False),  # whitespace is not text
+    ("<answer>4</answer> junk", "4", True, False),  # the run-on that demo-real showed
+    ("<answer>4</answer>.", "4", True, False),
+    ("<answer>4</answer><answer></answer>", "4", True, False),  # an empty pair is not an answer, but it is text after
+    ("<answer>3</answer> so <answer>4</answer>", "4", False, False),  # text before the final answer is fine
+    ("<answer>4</answer><answer>5", "5", False, True),  # final answer in an unclosed tag: no closing tag
+    ("<answer>42</answer\n\nmore", "42", False, True),
+    ("<answer>3</reference tags, e.g. <answer>3</reference>.", "3", False, True),  # issue 41's 2xlr drift
+    ("<answer>7</answer> then <answer>", "7", True, False),  # an empty unclosed tag is not the answer
+    ("no tags at all", None, False, False),
+    ("<answer> </answer> junk", None, False, False),
 ])
-def test_trailing_text_follows_the_pair_extract_answer_reads(text, answer, trailing):
+def test_trailing_text_and_unclosed_follow_the_answer_extract_answer_reads(text, answer, trailing, unclosed):
     assert extract_answer(text) == answer
     assert trailing_text(text) is trailing
+    assert unclosed_answer(text) is unclosed
     assert trailing_text(text.replace("answer>", "final>"), "final") is trailing
+    assert unclosed_answer(text.replace("answer>", "final>"), "final") is unclosed
 
 
 def test_scores_log_the_share_when_the_task_has_the_notion():
     s = Scores(rewards=torch.tensor([1.0, 0.0, 1.0, 0.5]), correct=torch.tensor([True, False, True, False]),
                invalid=torch.zeros(4, dtype=torch.bool), errors=0)
-    assert "reward/trailing_text" not in s.metrics()
+    assert "reward/trailing_text" not in s.metrics() and "reward/unclosed_answer" not in s.metrics()
     s.trailing = torch.tensor([True, False, False, True])
+    s.unclosed = torch.tensor([False, False, True, False])
     assert float(s.metrics()["reward/trailing_text"][0]) == 0.5
+    assert float(s.metrics()["reward/unclosed_answer"][0]) == 0.25
 
 
 def _cfg(task: str, penalty: float) -> TrainConfig:
@@ -69,22 +76,25 @@ def test_the_penalty_lowers_the_reward_of_run_on_responses():
     for bad in (-0.1, float("nan"), True):
         with pytest.raises(ConfigError, match="task.trailing_text_penalty"):
             get_task("reasoning_gym", trailing_text_penalty=bad)
-    tasks = {p: get_task("reasoning_gym", dataset="chain_sum", seed=11, format_reward=0.25, reward_timeout_s=120.0,
+    tasks = {p: get_task("reasoning_gym", dataset="chain_sum", seed=11, format_reward=0.25,
                          trailing_text_penalty=p) for p in (0.0, 0.3)}
     try:
         ps = tasks[0.0].prompts(2)
         right, wrong = ps[0].answer, str(int(ps[1].answer) + 1)
         responses = [f"<answer>{right}</answer>", f"<answer>{right}</answer> and then some junk",
-                     f"<answer>{wrong}</answer>\n", f"<answer>{wrong}</answer>?", "no answer, then text"]
-        prompts = [ps[0], ps[0], ps[1], ps[1], ps[1]]
+                     f"<answer>{wrong}</answer>\n", f"<answer>{wrong}</answer>?", "no answer, then text",
+                     f"<answer>{right}</reference tags, e.g. <answer>{right}</reference>."]
+        prompts = [ps[0], ps[0], ps[1], ps[1], ps[1], ps[0]]
         off, on = (tasks[p].score(prompts, responses) for p in (0.0, 0.3))
-        assert off.rewards.tolist() == [1.0, 1.0, 0.25, 0.25, 0.0]
-        assert off.trailing.tolist() == on.trailing.tolist() == [False, True, False, True, False]
-        assert on.rewards.tolist() == pytest.approx([1.0, 0.7, 0.25, -0.05, 0.0])
-        assert on.correct.tolist() == off.correct.tolist() == [True, True, False, False, False]
-        assert float(on.metrics()["reward/trailing_text"][0]) == pytest.approx(0.4)
+        assert off.rewards.tolist() == [1.0, 1.0, 0.25, 0.25, 0.0, 1.0]  # the lenient parse scores the last one
+        assert off.trailing.tolist() == on.trailing.tolist() == [False, True, False, True, False, False]
+        assert off.unclosed.tolist() == on.unclosed.tolist() == [False, False, False, False, False, True]
+        assert on.rewards.tolist() == pytest.approx([1.0, 0.7, 0.25, -0.05, 0.0, 1.0])
+        assert on.correct.tolist() == off.correct.tolist() == [True, True, False, False, False, True]
+        assert float(on.metrics()["reward/trailing_text"][0]) == pytest.approx(2 / 6)
+        assert float(on.metrics()["reward/unclosed_answer"][0]) == pytest.approx(1 / 6)
         # task.response_prefix: the tag opened in the prompt counts
-        pre = get_task("reasoning_gym", dataset="chain_sum", seed=11, response_prefix="<answer>", reward_timeout_s=120.0)
+        pre = get_task("reasoning_gym", dataset="chain_sum", seed=11, response_prefix="<answer>")
         try:
             q = pre.prompts(1)[0]
             assert pre.score([q, q], [f"{q.answer}</answer>", f"{q.answer}</answer> more"]).trailing.tolist() == [False, True]
@@ -104,11 +114,13 @@ def test_dynamic_sampling_merge_keeps_the_flags():
         batch = RolloutBatch.from_padded(torch.ones(n, 4, dtype=torch.long), torch.full((n,), 2), torch.full((n,), 2),
                                          torch.zeros(n, 4), torch.zeros(n, dtype=torch.bool))
         scores = Scores(rewards=torch.zeros(n), correct=torch.zeros(n, dtype=torch.bool),
-                        invalid=torch.zeros(n, dtype=torch.bool), errors=0, trailing=torch.tensor(flags))
+                        invalid=torch.zeros(n, dtype=torch.bool), errors=0, trailing=torch.tensor(flags),
+                        unclosed=~torch.tensor(flags))
         return batch, scores, torch.zeros(n), torch.zeros(n)
 
     _, scores, _, _ = _merge_groups([part([True, False]), part([False, True])], [(1, 0), (0, 0)], 2, 0)
     assert scores.trailing.tolist() == [False, True, True, False]
+    assert scores.unclosed.tolist() == [True, False, False, True]
 
 
 def test_the_character_tokenizer_in_hugging_face_form_decodes_alike(tmp_path):
