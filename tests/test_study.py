@@ -634,6 +634,16 @@ def test_track_confirm_plans_the_chosen_candidate_on_fresh_seeds(tmp_path, monke
     by_arm = {r["arm"]: r["overrides"] for r in runs if r["seed"] == 21}
     explored = {r["arm"]: r["overrides"] for r in mod.stage_runs(_stage_args(mod, "stage=track", "candidates=2xlr"))}
     assert by_arm == explored  # the same arms as on seed 1, the fixed window included
+    # its report: the verdicts on the reward, and the accuracy beside it (partial credit shows as the gap)
+    for r in runs:
+        if r["arm"] in ("fp8_calibrated", "fp8_recompute_tis"):
+            _write_metrics(tmp_path / "out" / r["group"] / r["name"], [0.8 if r["arm"] == "fp8_calibrated" else 0.7]
+                           * r["steps"])
+    md = mod.stage_report("track_confirm", runs, tmp_path / "out", tmp_path / "rec")
+    assert "| fp8_calibrated - fp8_recompute_tis | 3 | 21: +0.100, 22: +0.100, 23: +0.100 | +0.100 |" in md
+    acc = md.split("Accuracy beside the reward")[1].split("Verdicts")[0]
+    assert "| comparison (accuracy last 10) |" in acc and "| fp8_calibrated - fp8_recompute_tis | 3 |" in acc
+    assert "| fp8_calibrated - fp8_fixed_wide | 0 | - |" in acc
     args.candidates = "e5m2"
     with pytest.raises(SystemExit, match="does not choose it"):
         mod.stage_runs(args)

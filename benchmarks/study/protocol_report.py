@@ -378,11 +378,13 @@ def paired_diffs(by_seed: dict[str, dict[int, float]], a: str, b: str) -> tuple[
     return seeds, [by_seed[a][s] - by_seed[b][s] for s in seeds]
 
 
-def paired_table(by_seed: dict[str, dict[int, float]], pairs: list[tuple[str, str]], measure: str = "last 10") -> str:
-    """``by_seed[arm][seed]``: a finished run's reward measure (``measure`` names it in the header: the last-10
-    mean, or the mean over all steps). Per pair (a, b): a - b per seed, the mean and its bootstrap interval
-    over the seeds both arms finished, and :func:`gap_seen_with_power` of those differences."""
-    out = [f"| comparison (reward {measure}) | seeds | per seed (a - b) | mean | 95% bootstrap interval "
+def paired_table(by_seed: dict[str, dict[int, float]], pairs: list[tuple[str, str]], measure: str = "last 10",
+                 quantity: str = "reward") -> str:
+    """``by_seed[arm][seed]``: a finished run's ``quantity`` (reward, or accuracy), ``measure`` naming how it is
+    taken in the header (the last-10 mean, or the mean over all steps). Per pair (a, b): a - b per seed, the
+    mean and its bootstrap interval over the seeds both arms finished, and :func:`gap_seen_with_power` of
+    those differences."""
+    out = [f"| comparison ({quantity} {measure}) | seeds | per seed (a - b) | mean | 95% bootstrap interval "
            "| gap seen w/ 80% power |", "|" + " --- |" * 6]
     for a, b in pairs:
         seeds, diffs = paired_diffs(by_seed, a, b)

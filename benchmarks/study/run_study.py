@@ -886,11 +886,14 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
                 + protocol_report.track_rule_table(track_rule(out, record)))
     last10: dict[str, dict[int, float]] = {}
     every: dict[str, dict[int, float]] = {}
+    acc10: dict[str, dict[int, float]] = {}
     by_arm: dict[str, list[dict]] = {}
     for r, s in zip(runs, stats):
         if s["steps"] >= r["steps"]:
             last10.setdefault(r["arm"], {})[r["seed"]] = s["reward_last10"]
             every.setdefault(r["arm"], {})[r["seed"]] = s["reward_all"]
+            if s["acc_last10"] is not None:
+                acc10.setdefault(r["arm"], {})[r["seed"]] = s["acc_last10"]
             by_arm.setdefault(r["arm"], []).append(s)
     table += "\n\nPer arm over its finished seeds (mean [lowest, highest]):\n\n" + protocol_report.arm_means_table(by_arm)
     if stage == "track_confirm":  # issue 41: questions 1 and 2 first, then what each arm does against fixed clip
@@ -905,6 +908,10 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
     table += ("\n\n" + protocol_report.paired_table(last10, pairs) + "\n\n"
               + protocol_report.paired_table(every, pairs, measure="over all steps"))
     if stage == "track_confirm":
+        # beside, not a decision measure: reasoning-gym's partial credit made recompute + TIS's reward overstate
+        # its accuracy on seed 1 more than any other arm's (docs/results.md, the exploration)
+        table += ("\n\nAccuracy beside the reward (reported, not a decision measure; reward - accuracy is partial "
+                  "credit):\n\n" + protocol_report.paired_table(acc10, pairs, quantity="accuracy"))
         table += "\n\nVerdicts (primary measure, last 10):\n\n" + protocol_report.track_verdicts(last10)
     return table
 
