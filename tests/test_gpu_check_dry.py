@@ -52,7 +52,8 @@ def test_dry_run_runs_every_part(tmp_path):
     assert set(results) == {"_meta", *runner.PART_NAMES}
     assert results["_meta"]["dry_run"] is True
     # run.sh's default budget is the runner's table: the caps of the parts that can run here
-    assert results["_meta"]["budget_s"] == runner.default_budget(True) == sum(p[1] for p in runner.PARTS if p[3] is None)
+    assert results["_meta"]["budget_s"] == runner.default_budget(True) == runner.DRY_CAP_FACTOR * sum(
+        p[1] for p in runner.PARTS if p[3] is None)
     if VENV_PYTHON.exists():  # the documented command ran the checkout's Python, not a bare python3
         assert Path(results["env"]["executable"]) == VENV_PYTHON.absolute()
     assert [results[p]["status"] for p in RAN_ON_CPU] == ["ok"] * len(RAN_ON_CPU)
@@ -172,15 +173,17 @@ def test_budget_table_sums_to_the_default_and_fits_the_device_command():
     parts it fits in the device machine's limit for one command."""
     h200 = [p for p in runner.PARTS if p[3] is None]
     total = sum(p[1] for p in h200)
-    assert runner.default_budget(True) == total  # dry run: TE/vLLM parts do not run
+    assert runner.part_table(False) == [tuple(p) for p in runner.PARTS]  # a GPU run: the table's caps
+    assert runner.default_budget(True) == runner.DRY_CAP_FACTOR * total  # a CPU's caps (runner.part_table)
     assert total + runner.OUTSIDE_PARTS_S <= runner.COMMAND_LIMIT_S
     assert all(least <= cap for _, cap, least, _ in runner.PARTS)
     proc = subprocess.run([sys.executable, str(GPU / "runner.py"), "--print-budget", "--dry-run"], capture_output=True,
                           text=True, timeout=60, check=True)
-    assert int(proc.stdout.strip()) == total
+    assert int(proc.stdout.strip()) == runner.DRY_CAP_FACTOR * total
     proc = subprocess.run([sys.executable, str(GPU / "runner.py"), "--print-budget", "--dry-run", "--parts", "env,grpo"],
                           capture_output=True, text=True, timeout=60, check=True)
-    assert int(proc.stdout.strip()) == dict((p[0], p[1]) for p in h200)["env"] + dict((p[0], p[1]) for p in h200)["grpo"]
+    assert int(proc.stdout.strip()) == runner.DRY_CAP_FACTOR * (dict((p[0], p[1]) for p in h200)["env"]
+                                                                + dict((p[0], p[1]) for p in h200)["grpo"])
     code = [line for line in (GPU / "run.sh").read_text().splitlines() if not line.lstrip().startswith("#")]
     assert any("--print-budget" in line for line in code)
     assert not any(re.search(rf"\b{total}\b", line) for line in code), "run.sh must not hard-code the budget"
