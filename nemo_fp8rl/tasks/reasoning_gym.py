@@ -381,14 +381,19 @@ class ReasoningGymTask(Task):
     def reward_fn(self) -> Callable[..., Any]:
         """``reasoning_gym_reward(response, entry)`` with this task's dataset, tag and format reward bound."""
         return functools.partial(reasoning_gym_reward, dataset=self.dataset,
-                                 dataset_kwargs_json=json.dumps(self.dataset_kwargs, sort_keys=True),
+                                 dataset_kwargs_json=self._dataset_kwargs_json,
                                  answer_tag=self.answer_tag, format_reward=self.format_reward,
                                  response_prefix=self.response_prefix)
 
     @property
     def reward_prepare(self) -> Callable[[], Any]:
         """Builds the dataset's scorer once per reward worker, before its first call (the import is slow)."""
-        return functools.partial(prepare_scorer, self.dataset, json.dumps(self.dataset_kwargs, sort_keys=True))
+        return functools.partial(prepare_scorer, self.dataset, self._dataset_kwargs_json)
+
+    @property
+    def _dataset_kwargs_json(self) -> str:
+        """``dataset_kwargs`` as the reward worker's scorer cache keys it (JSON, sorted keys)."""
+        return json.dumps(self.dataset_kwargs, sort_keys=True)
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> Scores:
         """As :meth:`Task.score`, but the reward worker gets each prompt's whole reasoning-gym entry

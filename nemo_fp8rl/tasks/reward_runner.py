@@ -9,7 +9,7 @@ records reward 0 for that item, starts a fresh worker and continues with the nex
 raises gets reward 0 too, and so does a result that is not a finite number; all are counted as errors.
 
 What a reward function needs before its first call (importing its checker: ``reasoning_gym`` pulls in
-matplotlib, ``math_verify`` sympy; measured 1-19 s on the 2-core CI machine under load, and more from a
+matplotlib, ``math_verify`` sympy; measured 1-19 s and 1-23 s on the 2-core CI machine under load, more from a
 cold network file system) is not a reward call and must not count against the per-call deadline, or the
 first item of every fresh worker times out, the worker is killed, and the next fresh worker starts over.
 So a task may give a ``prepare`` callable: each worker runs it once, right after loading the function and
@@ -162,7 +162,7 @@ class RewardRunner:
         self._proc: subprocess.Popen | None = None
         self._tx: Connection | None = None
         self._rx: Connection | None = None
-        self._fn_bytes: tuple[bytes, bytes | None] | None = None
+        self._loaded: tuple[bytes, bytes | None] | None = None
         """The (function, prepare) the current worker has loaded."""
         self._extra_paths: list[str] = []
         self.restarts = 0
@@ -191,7 +191,7 @@ class RewardRunner:
             os.close(c2p_w)
         self._tx = Connection(p2c_w, readable=False)
         self._rx = Connection(c2p_r, writable=False)
-        self._fn_bytes = None
+        self._loaded = None
         if not self._rx.poll(_STARTUP_TIMEOUT_S):
             self._kill()
             raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
@@ -213,7 +213,7 @@ class RewardRunner:
             if c is not None:
                 c.close()
         self._proc = self._tx = self._rx = None
-        self._fn_bytes = None
+        self._loaded = None
 
     def close(self) -> None:
         """Stop the worker process (idempotent)."""
@@ -244,7 +244,7 @@ class RewardRunner:
             self._kill()
         if self._proc is None:
             self._start()
-        if self._fn_bytes == (fn_bytes, prepare_bytes):
+        if self._loaded == (fn_bytes, prepare_bytes):
             return
         self._tx.send(("fn", (fn_bytes, prepare_bytes)))
         ok = self._rx.poll(_STARTUP_TIMEOUT_S)
@@ -261,7 +261,7 @@ class RewardRunner:
                 f"the reward worker could not load the reward function: {msg}. It must be importable by "
                 "reference (a module-level function or functools.partial of one) from the worker's sys.path"
             )
-        self._fn_bytes = (fn_bytes, prepare_bytes)
+        self._loaded = (fn_bytes, prepare_bytes)
 
     # ------------------------------------------------------------------ evaluation
     def run(self, fn: Callable[..., Any], items: Sequence[tuple],

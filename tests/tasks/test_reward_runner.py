@@ -143,6 +143,8 @@ def test_the_slow_importing_tasks_prepare_their_checker(name, tmp_path):
         good = f"<answer>{p.answer}</answer>" if name == "reasoning_gym" else f"\\boxed{{{p.answer}}}"
         s = task.score([p], [good])
         assert s.errors == 0 and s.correct.tolist() == [True]
+        # score() handed the prepare to its worker, which ran it before the call
+        assert task._runner._loaded == (pickle.dumps(task.reward_fn), pickle.dumps(task.reward_prepare))
     finally:
         task.close()
     assert ArithmeticTask().reward_prepare is None
