@@ -317,6 +317,10 @@ class TaskConfig:
     response_prefix: str = ""
     """reasoning_gym: text the assistant turn starts with, appended to every prompt (e.g. ``<answer>``: a
     small model then answers in the tag format); rewards read response_prefix + response."""
+    partial_credit: bool = True
+    """reasoning_gym: keep the checker's partial scores in (0, 1) (chain_sum scores an answer that merely
+    contains the right number len(right answer) / len(answer)); false = exact answers only (reward 1 or 0,
+    or format_reward). The other built-in tasks score exact answers only either way."""
     trailing_text_penalty: float = 0.0
     """reasoning_gym: subtracted from the reward of a response with non-whitespace text after the closing
     </answer_tag> of its final answer (format penalty; 0 = off). The share of such responses is logged as

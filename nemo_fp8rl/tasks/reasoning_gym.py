@@ -29,7 +29,9 @@ skipped and counted (``skipped_by_reason``).
 
 Reward: reasoning-gym's ``score_answer`` on the content of the response's last ``<answer>...</answer>``
 (:func:`~nemo_fp8rl.tasks.reasoning_gym_reward.reasoning_gym_reward`); a response without one is
-invalid (``rollout/invalid_frac``, the stability monitor's garbled-output signal) and scores 0. A
+invalid (``rollout/invalid_frac``, the stability monitor's garbled-output signal) and scores 0.
+``task.partial_credit=false`` makes the reward binary (checkers such as chain_sum's give an answer that
+merely contains the right number a partial score, which a policy can learn to exploit). A
 response with non-whitespace text after its final answer's closing tag (it ran on past the answer) is
 counted in ``reward/trailing_text`` and, with ``task.trailing_text_penalty`` p > 0, scores p less (a format
 penalty; ``rollout.stop=['</answer>']`` ends responses at the tag instead). A final answer read from an
@@ -108,6 +110,9 @@ class ReasoningGymTask(Task):
             ``"<answer>"``: a small model then answers in the tag format); rewards and validity read
             ``response_prefix + response``.
         format_reward: reward of a parseable answer that scores lower (0 = the checker's score only).
+        partial_credit: keep the checker's partial scores in (0, 1) (chain_sum scores an answer that merely
+            contains the right number len(right answer) / len(answer)); false = a binary reward, 1 for a
+            correct answer and 0 (or ``format_reward``) otherwise.
         trailing_text_penalty: subtracted from the reward of a response with non-whitespace text after the
             closing tag of its final answer (:func:`~nemo_fp8rl.tasks.reasoning_gym_reward.trailing_text`;
             0 = off). ``Scores.trailing`` (``reward/trailing_text``) flags such responses either way.
@@ -134,6 +139,7 @@ class ReasoningGymTask(Task):
         answer_tag: str = "answer",
         response_prefix: str = "",
         format_reward: float = 0.0,
+        partial_credit: bool = True,
         trailing_text_penalty: float = 0.0,
         max_prompt_len: int = 256,
         chat_template: bool = True,
@@ -152,6 +158,9 @@ class ReasoningGymTask(Task):
             raise ConfigError(f"task.prompt_template={prompt_template!r} must contain '{{prompt}}'")
         if not (0.0 <= float(format_reward) < 1.0):
             raise ConfigError(f"task.format_reward={format_reward!r} must be in [0, 1)")
+        if not isinstance(partial_credit, bool):
+            raise ConfigError(f"task.partial_credit={partial_credit!r} must be true (keep the checker's partial scores) "
+                              "or false (exact answers only: reward 1 or 0)")
         p = trailing_text_penalty
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and p >= 0):
             raise ConfigError(f"task.trailing_text_penalty={p!r} must be a number >= 0 (subtracted from the reward of "
@@ -170,6 +179,7 @@ class ReasoningGymTask(Task):
             raise ConfigError(f"task.response_prefix={response_prefix!r} must be a string ('' = none)")
         self.response_prefix = response_prefix
         self.format_reward = float(format_reward)
+        self.partial_credit = partial_credit
         self.trailing_text_penalty = float(trailing_text_penalty)
         self.max_prompt_len = max_prompt_len
         self.chat_template = bool(chat_template)
@@ -383,7 +393,7 @@ class ReasoningGymTask(Task):
         return functools.partial(reasoning_gym_reward, dataset=self.dataset,
                                  dataset_kwargs_json=self._dataset_kwargs_json,
                                  answer_tag=self.answer_tag, format_reward=self.format_reward,
-                                 response_prefix=self.response_prefix)
+                                 response_prefix=self.response_prefix, partial_credit=self.partial_credit)
 
     @property
     def reward_prepare(self) -> Callable[[], Any]:

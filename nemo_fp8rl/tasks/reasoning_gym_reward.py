@@ -79,13 +79,14 @@ def prepare_scorer(dataset: str, dataset_kwargs_json: str) -> None:
 
 def reasoning_gym_reward(response: str, entry: dict[str, Any], *, dataset: str, dataset_kwargs_json: str,
                          answer_tag: str = "answer", format_reward: float = 0.0,
-                         response_prefix: str = "") -> tuple[float, bool]:
+                         response_prefix: str = "", partial_credit: bool = True) -> tuple[float, bool]:
     """Reward of one response to a reasoning-gym problem.
 
     s = ``dataset.score_answer(extract_answer(response), entry)`` in [0, 1] (reasoning-gym's checker;
-    some datasets give partial credit). reward = 0 for an unparseable response (no non-empty
-    ``<answer_tag>`` pair; the scorer is not called), else ``max(s, format_reward)``;
-    correct = (s >= 1). A score outside [0, 1] (or not a number) raises, so the runner counts it in
+    some datasets give partial credit, e.g. chain_sum scores an answer that contains the right number
+    len(right answer) / len(answer)). With ``partial_credit`` false, s = 1 if s >= 1 else 0 (a binary
+    reward). reward = 0 for an unparseable response (no non-empty ``<answer_tag>`` pair; the scorer is
+    not called), else ``max(s, format_reward)``; correct = (s >= 1). A score outside [0, 1] (or not a number) raises, so the runner counts it in
     ``reward/errors``: the checker, not the policy, is at fault.
 
     Args:
@@ -95,6 +96,8 @@ def reasoning_gym_reward(response: str, entry: dict[str, Any], *, dataset: str, 
             (the scorer is built from them once per worker).
         response_prefix: the text the prompt ended with inside the assistant turn (task.response_prefix);
             the answer is extracted from ``response_prefix + response``.
+        partial_credit: keep the checker's scores below 1 (task.partial_credit); false = exact answers
+            only.
     """
     answer = extract_answer(response_prefix + response, answer_tag)
     if answer is None:
@@ -102,5 +105,6 @@ def reasoning_gym_reward(response: str, entry: dict[str, Any], *, dataset: str, 
     s = _scorer(dataset, dataset_kwargs_json).score_answer(answer, entry)
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not 0.0 <= s <= 1.0:
         raise ValueError(f"reasoning-gym {dataset!r} score_answer returned {s!r}; a score must be in [0, 1]")
-    s = float(s)
-    return max(s, float(format_reward)), s >= 1.0
+    correct = s >= 1.0
+    s = float(s) if partial_credit else float(correct)
+    return max(s, float(format_reward)), correct

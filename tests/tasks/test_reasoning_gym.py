@@ -140,6 +140,27 @@ def test_reward_matches_reasoning_gyms_scorer():
     assert extract_answer("<answer>82</answer}<|im_end|>") == "82" and extract_answer("<answer> <|im_end|>") is None
 
 
+def test_partial_credit_off_makes_the_reward_binary():
+    """chain_sum's checker gives an answer that contains the right number len(right) / len(answer);
+    task.partial_credit=false keeps only exact answers (correct is the same either way)."""
+    on = get_task("reasoning_gym", dataset="chain_sum", seed=11)
+    off = get_task("reasoning_gym", dataset="chain_sum", seed=11, partial_credit=False)
+    off_fmt = get_task("reasoning_gym", dataset="chain_sum", seed=11, partial_credit=False, format_reward=0.25)
+    entry = on.prompts(1)[0].meta["entry"]
+    right = entry["answer"]
+    padded = f"<answer>{right}9</answer>"  # the right number as a substring: partial credit
+    own = reasoning_gym.create_dataset("chain_sum").score_answer(f"{right}9", entry)
+    assert own == len(right) / (len(right) + 1)  # the checker's partial score, what the default keeps
+    assert on.reward_fn(padded, entry) == (own, False)
+    assert off.reward_fn(padded, entry) == (0.0, False)
+    assert off_fmt.reward_fn(padded, entry) == (0.25, False)
+    for t in (on, off, off_fmt):
+        assert t.reward_fn(f"<answer>{right}</answer>", entry) == (1.0, True)
+        assert t.reward_fn("no tags", entry) == (0.0, False)
+    with pytest.raises(ConfigError, match=r"task.partial_credit='no' must be true .* or false"):
+        get_task("reasoning_gym", partial_credit="no")
+
+
 def test_response_prefix_is_prompted_and_scored():
     """task.response_prefix='<answer>': the prompt ends with it, the reward reads prefix + response."""
     plain = get_task("reasoning_gym", dataset="chain_sum", seed=11)
