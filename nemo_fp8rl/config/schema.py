@@ -325,6 +325,11 @@ class TaskConfig:
     """reasoning_gym: subtracted from the reward of a response with non-whitespace text after the closing
     </answer_tag> of its final answer (format penalty; 0 = off). The share of such responses is logged as
     reward/trailing_text either way. Refused for tasks without a closing answer tag (arithmetic, math_jsonl)."""
+    unclosed_answer_penalty: float = 0.0
+    """reasoning_gym: subtracted from the reward of a response whose final answer was read from an
+    <answer_tag> never closed (the lenient parse, e.g. ``<answer>42`` or ``<answer>3</reference ...``;
+    format penalty; 0 = off). The share is logged as reward/unclosed_answer either way. Refused for tasks
+    without answer tags (arithmetic, math_jsonl)."""
 
 
 @dataclass

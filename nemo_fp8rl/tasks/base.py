@@ -351,27 +351,37 @@ def task_class(name: str) -> type:
     return TASKS.get(name)  # type: ignore[return-value]
 
 
-def _check_trailing_text_penalty(cfg: "TrainConfig", params) -> None:
-    if cfg.task.trailing_text_penalty and "trailing_text_penalty" not in params:
-        from nemo_fp8rl.config.schema import ConfigError
+_FORMAT_PENALTIES = {
+    "trailing_text_penalty": "penalises text after the closing tag of a response's final answer",
+    "unclosed_answer_penalty": "penalises a final answer in a tag that is never closed",
+}
+"""The format-penalty keys of TaskConfig that need a task with answer tags, and what each does."""
 
-        takers = [n for n in task_names() if "trailing_text_penalty" in inspect.signature(task_class(n)).parameters]
-        raise ConfigError(
-            f"task.trailing_text_penalty={cfg.task.trailing_text_penalty} penalises text after the closing tag of a "
-            f"response's final answer, but task {cfg.task.name!r} has no closing answer tag (arithmetic: the "
-            "response is the answer; math_jsonl: math-verify reads the answer anywhere in the text); set "
-            f"task.trailing_text_penalty=0, or use a task with answer tags: {takers}")
+
+def _check_format_penalties(cfg: "TrainConfig", params) -> None:
+    """A format penalty other than 0 for a task without answer tags raises instead of being dropped."""
+    for key, what in _FORMAT_PENALTIES.items():
+        value = getattr(cfg.task, key)
+        if value and key not in params:
+            from nemo_fp8rl.config.schema import ConfigError
+
+            takers = [n for n in task_names() if key in inspect.signature(task_class(n)).parameters]
+            raise ConfigError(
+                f"task.{key}={value} {what}, but task {cfg.task.name!r} has no closing answer tag (arithmetic: the "
+                "response is the answer; math_jsonl: math-verify reads the answer anywhere in the text); set "
+                f"task.{key}=0, or use a task with answer tags: {takers}")
 
 
 def check_task_config(cfg: "TrainConfig") -> None:
-    """``validate()``'s task check: ``task.trailing_text_penalty`` only for a task that takes it (raises
+    """``validate()``'s task check: ``task.trailing_text_penalty`` and ``task.unclosed_answer_penalty`` only
+    for a task that takes them (raises
     :class:`~nemo_fp8rl.config.schema.ConfigError`), so the launcher refuses it before a job is queued. A
     task name not registered here (a user's task, registered by their code before the trainer starts) is
     checked when the trainer builds it (:func:`task_kwargs`)."""
     _load_builtin_tasks()
     if cfg.task.name not in TASKS.names(include_aliases=True):
         return
-    _check_trailing_text_penalty(cfg, inspect.signature(task_class(cfg.task.name)).parameters)
+    _check_format_penalties(cfg, inspect.signature(task_class(cfg.task.name)).parameters)
 
 
 def task_kwargs(cfg: "TrainConfig", factory, seed: int, dp_rank: int = 0, dp_size: int = 1) -> dict:
@@ -379,11 +389,11 @@ def task_kwargs(cfg: "TrainConfig", factory, seed: int, dp_rank: int = 0, dp_siz
     that reads a dataset (``num_shards`` in its signature) under data parallelism, this rank's shard of
     each epoch with a permutation seed shared by all ranks (``cfg.seed * 1000 + 29``).
 
-    A ``task.trailing_text_penalty`` other than 0 for a task that does not take it (no closing answer tag
-    after which text could trail) raises :class:`~nemo_fp8rl.config.schema.ConfigError` instead of being
+    A ``task.trailing_text_penalty`` or ``task.unclosed_answer_penalty`` other than 0 for a task that does
+    not take it (no answer tags) raises :class:`~nemo_fp8rl.config.schema.ConfigError` instead of being
     dropped silently."""
     params = inspect.signature(factory).parameters
-    _check_trailing_text_penalty(cfg, params)
+    _check_format_penalties(cfg, params)
     kw = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k != "name" and k in params}
     if "seed" in params:
         kw["seed"] = seed

@@ -37,7 +37,8 @@ counted in ``reward/trailing_text`` and, with ``task.trailing_text_penalty`` p >
 penalty; ``rollout.stop=['</answer>']`` ends responses at the tag instead). A final answer read from an
 opening tag that is never closed (the lenient parse of
 :func:`~nemo_fp8rl.tasks.reasoning_gym_reward.extract_answer`) is counted in ``reward/unclosed_answer``: its
-reward stands, but a rising share is a format drifting away from the tags.
+reward stands (a rising share is a format drifting away from the tags), or, with
+``task.unclosed_answer_penalty`` p > 0, scores p less.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ class ReasoningGymTask(Task):
         trailing_text_penalty: subtracted from the reward of a response with non-whitespace text after the
             closing tag of its final answer (:func:`~nemo_fp8rl.tasks.reasoning_gym_reward.trailing_text`;
             0 = off). ``Scores.trailing`` (``reward/trailing_text``) flags such responses either way.
+        unclosed_answer_penalty: subtracted from the reward of a response whose final answer was read from
+            a tag never closed (:func:`~nemo_fp8rl.tasks.reasoning_gym_reward.unclosed_answer`; 0 = off, the
+            lenient parse's reward stands). ``Scores.unclosed`` (``reward/unclosed_answer``) flags them either way.
         max_prompt_len: most prompt tokens (chat template and system prompt included); longer
             problems are skipped and counted.
         chat_template: with a Hugging Face tokenizer that has a chat template, wrap each prompt in it.
@@ -141,6 +145,7 @@ class ReasoningGymTask(Task):
         format_reward: float = 0.0,
         partial_credit: bool = True,
         trailing_text_penalty: float = 0.0,
+        unclosed_answer_penalty: float = 0.0,
         max_prompt_len: int = 256,
         chat_template: bool = True,
         tokenizer: Any = None,
@@ -161,6 +166,10 @@ class ReasoningGymTask(Task):
         if not isinstance(partial_credit, bool):
             raise ConfigError(f"task.partial_credit={partial_credit!r} must be true (keep the checker's partial scores) "
                               "or false (exact answers only: reward 1 or 0)")
+        p = unclosed_answer_penalty
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and p >= 0):
+            raise ConfigError(f"task.unclosed_answer_penalty={p!r} must be a number >= 0 (subtracted from the reward "
+                              "of a response whose final answer sits in a tag never closed; 0 = off)")
         p = trailing_text_penalty
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and p >= 0):
             raise ConfigError(f"task.trailing_text_penalty={p!r} must be a number >= 0 (subtracted from the reward of "
@@ -181,6 +190,7 @@ class ReasoningGymTask(Task):
         self.format_reward = float(format_reward)
         self.partial_credit = partial_credit
         self.trailing_text_penalty = float(trailing_text_penalty)
+        self.unclosed_answer_penalty = float(unclosed_answer_penalty)
         self.max_prompt_len = max_prompt_len
         self.chat_template = bool(chat_template)
         self.shard_rank, self.num_shards = shard_rank, num_shards
@@ -410,13 +420,15 @@ class ReasoningGymTask(Task):
         (``score_answer`` reads its metadata, not only the answer string). ``Scores.trailing`` flags the
         responses with text after their final answer's closing tag (``response_prefix + response``); with
         ``trailing_text_penalty`` p their reward is lowered by p. ``Scores.unclosed`` flags those whose final
-        answer was read from a tag never closed."""
+        answer was read from a tag never closed; with ``unclosed_answer_penalty`` p, theirs is lowered by p."""
         scores = super().score([dataclasses.replace(p, answer=p.meta["entry"]) for p in prompts], responses)
         texts = [self.response_prefix + r for r in responses]
         scores.trailing = torch.tensor([trailing_text(t, self.answer_tag) for t in texts], dtype=torch.bool)
         scores.unclosed = torch.tensor([unclosed_answer(t, self.answer_tag) for t in texts], dtype=torch.bool)
         if self.trailing_text_penalty:
             scores.rewards = scores.rewards - self.trailing_text_penalty * scores.trailing.float()
+        if self.unclosed_answer_penalty:
+            scores.rewards = scores.rewards - self.unclosed_answer_penalty * scores.unclosed.float()
         return scores
 
     def is_valid(self, text: str) -> bool:

@@ -1,6 +1,6 @@
 """Text after the final answer's closing tag: the flag, ``reward/trailing_text``, ``task.trailing_text_penalty``
 (refused where a task has no closing answer tag); final answers read from a tag never closed
-(``reward/unclosed_answer``); and the character tokenizer in Hugging Face form (what the
+(``reward/unclosed_answer``, ``task.unclosed_answer_penalty``); and the character tokenizer in Hugging Face form (what the
 vllm engine loads for stop strings)."""
 
 from __future__ import annotations
@@ -47,25 +47,27 @@ def test_scores_log_the_share_when_the_task_has_the_notion():
     assert float(s.metrics()["reward/unclosed_answer"][0]) == 0.25
 
 
-def _cfg(task: str, penalty: float) -> TrainConfig:
+def _cfg(task: str, penalty: float, key: str = "trailing_text_penalty") -> TrainConfig:
     cfg = TrainConfig()
-    cfg.task.name, cfg.task.path, cfg.task.trailing_text_penalty = task, "data.jsonl", penalty
+    cfg.task.name, cfg.task.path = task, "data.jsonl"
+    setattr(cfg.task, key, penalty)
     return cfg
 
 
+@pytest.mark.parametrize("key", ["trailing_text_penalty", "unclosed_answer_penalty"])
 @pytest.mark.parametrize("task", ["arithmetic", "math_jsonl"])
-def test_the_penalty_is_refused_where_a_task_has_no_closing_answer_tag(task):
-    with pytest.raises(ConfigError, match=r"task.trailing_text_penalty=0.1 .*no closing answer tag.*\['reasoning_gym'\]"):
-        task_kwargs(_cfg(task, 0.1), task_class(task), seed=0)
-    assert "trailing_text_penalty" not in task_kwargs(_cfg(task, 0.0), task_class(task), seed=0)  # off: fine
-    assert task_kwargs(_cfg("reasoning_gym", 0.1), task_class("reasoning_gym"), seed=0)["trailing_text_penalty"] == 0.1
+def test_the_penalty_is_refused_where_a_task_has_no_closing_answer_tag(task, key):
+    with pytest.raises(ConfigError, match=rf"task.{key}=0.1 .*no closing answer tag.*\['reasoning_gym'\]"):
+        task_kwargs(_cfg(task, 0.1, key), task_class(task), seed=0)
+    assert key not in task_kwargs(_cfg(task, 0.0, key), task_class(task), seed=0)  # off: fine
+    assert task_kwargs(_cfg("reasoning_gym", 0.1, key), task_class("reasoning_gym"), seed=0)[key] == 0.1
     # and validate() refuses it already, as the launcher validates before a job is queued
     from nemo_fp8rl.validation import validate
 
-    with pytest.raises(ConfigError, match=r"task.trailing_text_penalty=0.1"):
-        validate(_cfg(task, 0.1))
-    validate(_cfg("reasoning_gym", 0.1))
-    unknown = _cfg("my_own_task", 0.1)  # registered by a user's code before the trainer starts: checked then
+    with pytest.raises(ConfigError, match=rf"task.{key}=0.1"):
+        validate(_cfg(task, 0.1, key))
+    validate(_cfg("reasoning_gym", 0.1, key))
+    unknown = _cfg("my_own_task", 0.1, key)  # registered by a user's code before the trainer starts: checked then
     assert validate(unknown) is unknown
 
 
@@ -74,10 +76,13 @@ def test_the_penalty_lowers_the_reward_of_run_on_responses():
     from nemo_fp8rl.tasks import get_task
 
     for bad in (-0.1, float("nan"), True):
-        with pytest.raises(ConfigError, match="task.trailing_text_penalty"):
-            get_task("reasoning_gym", trailing_text_penalty=bad)
+        for key in ("trailing_text_penalty", "unclosed_answer_penalty"):
+            with pytest.raises(ConfigError, match=f"task.{key}"):
+                get_task("reasoning_gym", **{key: bad})
     tasks = {p: get_task("reasoning_gym", dataset="chain_sum", seed=11, format_reward=0.25,
                          trailing_text_penalty=p) for p in (0.0, 0.3)}
+    tasks["unclosed"] = get_task("reasoning_gym", dataset="chain_sum", seed=11, format_reward=0.25,
+                                 unclosed_answer_penalty=0.4)
     try:
         ps = tasks[0.0].prompts(2)
         right, wrong = ps[0].answer, str(int(ps[1].answer) + 1)
@@ -93,6 +98,10 @@ def test_the_penalty_lowers_the_reward_of_run_on_responses():
         assert on.correct.tolist() == off.correct.tolist() == [True, True, False, False, False, True]
         assert float(on.metrics()["reward/trailing_text"][0]) == pytest.approx(2 / 6)
         assert float(on.metrics()["reward/unclosed_answer"][0]) == pytest.approx(1 / 6)
+        # task.unclosed_answer_penalty: only the answer in a tag never closed scores less
+        unclosed = tasks["unclosed"].score(prompts, responses)
+        assert unclosed.rewards.tolist() == pytest.approx([1.0, 1.0, 0.25, 0.25, 0.0, 0.6])
+        assert unclosed.correct.tolist() == off.correct.tolist()
         # task.response_prefix: the tag opened in the prompt counts
         pre = get_task("reasoning_gym", dataset="chain_sum", seed=11, response_prefix="<answer>")
         try:
