@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -71,6 +72,10 @@ def token_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: 
     return out
 
 
+def _stop_now(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="a record directory with study_run.json and metrics.jsonl")
@@ -93,6 +98,11 @@ def main() -> None:
             recorded[int(row["step"])] = row
     with tempfile.TemporaryDirectory(prefix="tis_weights_") as tmp:
         trainer = ra.build([*meta["overrides"], f"trainer.max_steps={meta['steps']}", *args.extra], int(meta["seed"]), Path(tmp), Path(args.warmup_cache))
+        # The trainer traps SIGTERM/SIGINT and only sets a flag that its fit() reads; the loop below does not,
+        # so a signal was ignored until all steps had run. This measurement keeps no checkpoint: a signal
+        # stops it at once, and the finally below closes the trainer (engine, reward worker, its handlers).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop_now)
         try:
             a = trainer.cfg.algorithm
             if a.old_logprobs != "recompute" or a.rollout_correction != "tis":
