@@ -9,7 +9,9 @@ publishing the step directory around it is :mod:`nemo_fp8rl.trainer.atomic_publi
 Asynchronous save (:func:`dist_save_async`): the shards are staged in host memory and handed to a
 forked writer process; :func:`finalize_async_saves` later runs megatron's collective check that every
 rank's writer finished. Two guards keep a ``kill -9`` of the trainer from leaving processes behind:
-megatron's results-queue manager and the forked writer are both made to die with the trainer.
+megatron's results-queue manager and the forked writer are both made to die with the trainer. Both
+ignore the job's stop signals (SIGTERM, SIGUSR1, SIGINT), which SLURM sends to every process of the
+trainer's group: the trainer's handler writes one last checkpoint through them.
 
 megatron is imported inside the functions: importing this module does not import megatron.
 """
@@ -35,27 +37,48 @@ def _signal_when_parent_dies(sig: int) -> None:
         pass
 
 
-def _exit_with_parent() -> None:
-    """Runs in megatron's results-queue manager process: ask Linux to SIGTERM it when its parent dies."""
+def _manager_server_init() -> None:
+    """Runs in megatron's results-queue manager process (a spawned server) before it serves.
+
+    - The job's stop signals are ignored: SLURM (scancel, preemption, ``--signal``) and a terminal's
+      Ctrl-C signal every process of the trainer's process group, and the trainer's handler then writes a
+      last checkpoint, which needs this queue. (CPython's server ignores only SIGINT; SIGTERM or SIGUSR1
+      killed it, and that last checkpoint failed with "Broken pipe".)
+    - It is SIGKILLed when the trainer dies (the signal it would otherwise get is now ignored), so a
+      ``kill -9`` of the trainer leaves no server behind."""
+    import multiprocessing as mp
     import signal
 
-    _signal_when_parent_dies(signal.SIGTERM)
+    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    _signal_when_parent_dies(signal.SIGKILL)
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the trainer died before the prctl
+        os._exit(1)
 
 
-def _results_queue_dies_with_us() -> None:
+_manager = None  # the SyncManager serving megatron's results queue in this process
+
+
+def _ensure_results_queue() -> None:
     """megatron's writer lazily starts a multiprocessing Manager (a spawned server process) for its
-    results queue and never stops it: after a ``kill -9`` of the trainer it lives on (~270 MB each,
-    one per killed run). Start that manager ourselves, once per process, with an initializer that
-    makes it exit with its parent, and hand megatron its queue."""
+    results queue, caches the queue in a module global and never stops it: after a ``kill -9`` of the
+    trainer it lives on (~270 MB each, one per killed run), and if it dies first every later save fails
+    with "Broken pipe". Start that manager ourselves with :func:`_manager_server_init` (ignores the
+    job's stop signals, dies with the trainer), hand megatron its queue, and start a new one if the
+    server is gone (killed from outside, e.g. by the OOM killer) before a save."""
+    global _manager
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))  # what megatron's ctx.Manager() starts
-        manager.start(initializer=_exit_with_parent)
-        filesystem_async._results_queue = manager.Queue()
+    queue = getattr(filesystem_async, "_results_queue", None)
+    ours_died = _manager is not None and not _manager._process.is_alive()
+    if queue is None or ours_died:
+        _manager = SyncManager(ctx=mp.get_context("spawn"))  # what megatron's ctx.Manager() starts
+        _manager.start(initializer=_manager_server_init)
+        filesystem_async._results_queue = _manager.Queue()
 
 
 def _save_strategy():
@@ -76,7 +99,7 @@ def dist_save(sharded: dict, directory: Path, device) -> None:
 
     from nemo_fp8rl.models.cpu_schedules import cpu_megatron
 
-    _results_queue_dies_with_us()
+    _ensure_results_queue()
     with cpu_megatron("checkpoint", device=device):
         dist_checkpointing.save(sharded, str(directory), sharded_strategy=_save_strategy())
 
@@ -122,7 +145,7 @@ def dist_save_async(sharded: dict, directory: Path, device, calls) -> None:
 
     from nemo_fp8rl.models.cpu_schedules import cpu_megatron
 
-    _results_queue_dies_with_us()
+    _ensure_results_queue()
     with cpu_megatron("checkpoint", device=device):
         request = dist_checkpointing.save(sharded, str(directory), sharded_strategy=_save_strategy(),
                                           async_sharded_save=True)

@@ -1,5 +1,6 @@
 """Faults during training: kill -9 + resume, non-finite updates, a full disk, an unwritable output dir."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -121,15 +122,25 @@ def test_disk_full_during_a_run_fails_clearly_and_keeps_metrics(small_tmpfs):
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
 def test_preemption_signal_checkpoints_and_exits_cleanly(tmp_path, sig):
+    """The signal goes to the trainer's whole process group (SLURM signals every process of a step, a
+    terminal's Ctrl-C the foreground group), after periodic checkpoints have started megatron's
+    results-queue manager: the trainer's final checkpoint still needs that process."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "nemo_fp8rl.train", *TINY, f"output_dir={out}",
-           f"warmup.cache_dir={tmp_path / '.warmup_cache'}", "trainer.max_steps=200", "trainer.checkpoint_interval=0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and len(read_metrics(str(out))) < 2:
-        time.sleep(0.05)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=240)
+           f"warmup.cache_dir={tmp_path / '.warmup_cache'}", "trainer.max_steps=200", "trainer.checkpoint_interval=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (out / "checkpoints" / "step_2").is_dir():
+            time.sleep(0.05)
+        os.killpg(proc.pid, sig)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert proc.returncode == 0, err[-2000:]
     logged = len(read_metrics(str(out)))
     assert 2 <= logged < 200

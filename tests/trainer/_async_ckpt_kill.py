@@ -1,6 +1,6 @@
 """Driven by test_async_checkpoint.py's kill -9 test: publishes an asynchronous checkpoint of step 1,
 then starts one of step 2 whose writer process records its pid and sleeps before writing, prints
-``scheduled``, and keeps "training" until it is killed."""
+``scheduled <pid of megatron's results-queue manager>``, and keeps "training" until it is killed."""
 
 import os
 import sys
@@ -34,7 +34,9 @@ def main(out: str) -> None:
     filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow_writer)
     sharded, local = actor.sharded_checkpoint_state()
     mgr.save(2, {"actor_local": local}, {"k": 1}, sharded=sharded)
-    print("scheduled", flush=True)
+    from nemo_fp8rl.trainer import dist_checkpoint
+
+    print("scheduled", dist_checkpoint._manager._process.pid, flush=True)  # and megatron's results-queue server
     while True:  # training goes on while the writer writes
         with torch.no_grad():
             for p in actor.model.parameters():

@@ -7,10 +7,13 @@
 - a write error in the forked writer raises ``CheckpointError`` at finalize on every rank, removes the
   partial directory and leaves ``latest`` on the previous checkpoint;
 - ``kill -9`` of the trainer while its writer writes: ``latest`` stays on the previous checkpoint, only
-  ``.tmp-step_<N>`` is left (removed by the next save), and the writer dies with the trainer;
+  ``.tmp-step_<N>`` is left (removed by the next save), and the writer and megatron's results-queue
+  manager die with the trainer;
+- that manager ignores the job's stop signals, and one killed from outside is replaced at the next save;
 - a run checkpointed asynchronously (inside the loop, published by the per-step poll) and resumed
   continues exactly like the uninterrupted run (which the synchronous-save resume test also equals);
-- SIGTERM with a save every step: the last step's checkpoint is published before the clean exit.
+- SIGTERM to the trainer's process group with a save every step: the last step's checkpoint is published
+  before the clean exit.
 
 The in-process tests take 0.3-10 s each; the CLI ones 13-48 s (interpreter and megatron start-up) on
 the shared 2-core machine.
@@ -187,7 +190,8 @@ def test_kill9_during_async_write_keeps_latest_on_the_previous_checkpoint(tmp_pa
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        assert proc.stdout.readline().strip() == "scheduled"
+        word, manager = proc.stdout.readline().split()
+        assert word == "scheduled"
         pid_file = tmp_path / "writer.pid"
         deadline = time.time() + 60
         while not pid_file.is_file() or not pid_file.read_text():
@@ -204,8 +208,9 @@ def test_kill9_during_async_write_keeps_latest_on_the_previous_checkpoint(tmp_pa
         assert mgr.latest_step() == 1 and mgr.steps() == [1]
         assert mgr.load(1, FP).step == 1
         deadline = time.time() + 10  # the writer dies with its trainer (PR_SET_PDEATHSIG)
-        while _alive(writer):
-            assert time.time() < deadline, f"async writer {writer} outlived the killed trainer"
+        while _alive(writer) or _alive(int(manager)):
+            assert time.time() < deadline, (f"async writer {writer} or results-queue manager {manager} outlived "
+                                            "the killed trainer")
             time.sleep(0.05)
         mgr.save(2, {"step": 2}, FP)  # the next save replaces the stale temporary directory
         assert mgr.latest_step() == 2 and not (root / ".tmp-step_2").exists()
@@ -214,6 +219,30 @@ def test_kill9_during_async_write_keeps_latest_on_the_previous_checkpoint(tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_results_queue_manager_ignores_the_jobs_signals_and_is_replaced_if_it_dies():
+    """megatron's results-queue manager (started by :func:`_ensure_results_queue` before every save) outlives
+    SIGTERM/SIGUSR1/SIGINT sent to it, as SLURM sends them to the whole job; killed from outside (SIGKILL:
+    the OOM killer), the next save's call starts a new one and megatron gets a working queue again."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from nemo_fp8rl.trainer import dist_checkpoint
+
+    dist_checkpoint._ensure_results_queue()
+    first = dist_checkpoint._manager._process
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        os.kill(first.pid, s)
+    time.sleep(0.5)
+    assert first.is_alive()
+    filesystem_async._results_queue.put("a")
+    assert filesystem_async._results_queue.get(timeout=10) == "a"
+    os.kill(first.pid, signal.SIGKILL)
+    first.join(10)
+    dist_checkpoint._ensure_results_queue()
+    assert dist_checkpoint._manager._process is not first and dist_checkpoint._manager._process.is_alive()
+    filesystem_async._results_queue.put("b")
+    assert filesystem_async._results_queue.get(timeout=10) == "b"
 
 
 def _alive(pid: int) -> bool:
@@ -249,7 +278,7 @@ def test_resume_from_an_async_checkpoint_is_exact(tmp_path):
 
 def test_sigterm_with_async_saves_publishes_the_last_step_and_exits_cleanly(tmp_path):
     """A save every step (each waits for the previous one, the loop's poll publishes finished ones);
-    SIGTERM: the step finishes, its checkpoint is written and published before the exit, nothing pending."""
+    SIGTERM to the process group: the step finishes, its checkpoint is written and published before the exit, nothing pending."""
     from ._cli import TINY as CLI_TINY
 
     out = tmp_path / "run"
@@ -262,7 +291,9 @@ def test_sigterm_with_async_saves_publishes_the_last_step_and_exits_cleanly(tmp_
         deadline = time.time() + 240
         while time.time() < deadline and (not (out / "metrics.jsonl").is_file() or len(metrics(out)) < 3):
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        # to the whole process group, as SLURM's scancel/preemption and a terminal's job control do: the
+        # trainer's helper processes (megatron's results-queue manager, the forked writer) get it too
+        os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=240)
     finally:
         try:
