@@ -1,8 +1,10 @@
 """The study runner and its summarizer end to end, at smoke size (real CLI runs, 2 RL steps each)."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,18 +75,36 @@ def test_long_group_runs_resumes_and_summarizes(tmp_path):
     assert (figs / "long_e5m2_lr2e-4_seed1.png").stat().st_size > 10_000
 
     # more steps asked of a finished run: it resumes from its last checkpoint (step 2, keep_last=1), it does
-    # not start again
+    # not start again; SIGTERM to the study (its pid only) stops that trainer at a checkpoint and the study
+    # exits non-zero, leaving the run resumable
     bf16 = out / "long" / "e5m2_lr2e-4" / "bf16" / "seed1"
     assert [p.name for p in (bf16 / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_2"]
     before = (bf16 / "metrics.jsonl").read_text().splitlines()
-    third = subprocess.run([*cmd[:cmd.index("--long-steps")], "--long-steps", "3", "--match", "bf16",
-                            *cmd[cmd.index("--long-steps") + 2:]], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert third.returncode == 0, third.stdout + third.stderr
-    assert "start long/e5m2_lr2e-4/bf16/seed1: resume from step 2" in third.stdout and "1/1 runs ok" in third.stdout
+    third = subprocess.Popen([*cmd[:cmd.index("--long-steps")], "--long-steps", "200", "--match", "bf16",
+                              *cmd[cmd.index("--long-steps") + 2:]], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.time() + 300
+        while len((bf16 / "metrics.jsonl").read_text().splitlines()) < 3 and third.poll() is None:
+            assert time.time() < deadline, "the resumed run logged no new step"
+            time.sleep(0.05)
+        third.send_signal(signal.SIGTERM)
+        stdout, stderr = third.communicate(timeout=300)
+    finally:
+        third.kill()
+    assert third.returncode == 1, stdout + stderr
+    assert "study stopped by signal 15" in stderr and "the same command resumes them" in stderr
+    assert "start long/e5m2_lr2e-4/bf16/seed1: resume from step 2" in stdout
+    assert "rc=7" in stdout and "(stopped at a checkpoint by the signal)" in stdout
     after = (bf16 / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in after] == [0, 1, 2]
+    logged = len(after)
+    assert 3 <= logged < 200 and [json.loads(x)["step"] for x in after] == list(range(logged))
     assert after[:2] == before  # steps 0-1 kept as they were (a restart would have rewritten their timings)
-    assert "resumed from" in (out / "logs" / "long__e5m2_lr2e-4__bf16__seed1.log").read_text()
+    assert [p.name for p in (bf16 / "checkpoints").iterdir() if p.name.startswith("step_")] == [f"step_{logged}"]
+    log = (out / "logs" / "long__e5m2_lr2e-4__bf16__seed1.log").read_text()
+    assert "resumed from" in log and "checkpoint saved at step" in log
+    attempt = json.loads((bf16 / "study_run.json").read_text())["attempts"][-1]
+    assert attempt["from_step"] == 2 and attempt["rc"] == 7 and attempt["stopped_by_signal"] == signal.SIGTERM
 
 
 def test_summarize_keeps_sections_whose_runs_are_not_in_the_study_dir():

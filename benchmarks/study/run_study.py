@@ -57,6 +57,9 @@ steps, so every arm logs ``calib/neg_push`` (nemo_fp8rl/algorithms/push.py) on t
 * has its settings written to ``<run>/study_run.json`` (stage, name, seed, steps, overrides, command, and
   each attempt: start, step resumed from, code commit, wall time, exit code); a run directory whose
   recorded overrides differ from the plan's is refused, not mixed;
+* is *stopped at a checkpoint* when the study gets SIGTERM, SIGINT or SIGUSR1 (:class:`Stop`): the running
+  trainers get SIGTERM, checkpoint and exit, no new run starts, and the study exits non-zero (exit code 7
+  for those runs); the same command resumes them;
 * with ``--commit``: once finished, its small files (:data:`SMALL_FILES`: metrics, samples, resolved
   config, warm-up record, study_run.json) and a per-run figure (``report/report.png``, ``summary.md``) are
   copied to ``<record>/<group>/<name>/`` (default ``benchmarks/study/records``) and committed with
@@ -112,6 +115,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -782,9 +786,63 @@ def check_settings(run: dict, d: Path) -> None:
                                "away or rename the sweep point / condition")
 
 
+class Stop:
+    """SIGTERM, SIGINT or SIGUSR1 to the study (``kill PID``, Ctrl-C, SLURM): its running trainers are sent
+    SIGTERM (each finishes its step, checkpoints and exits: the next call resumes them), no new run starts,
+    and the study exits non-zero once they are done. SIGTERM, whatever came: a trainer that already got a
+    Ctrl-C from its terminal's group would take a second SIGINT as "stop now, without the checkpoint"."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._children: dict[int, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        for s in self.SIGNALS:
+            signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        first = self.signum is None
+        self.signum = signum
+        if first:
+            sys.stderr.write(f"run_study: signal {signum}: stopping the running trainers at a checkpoint, "
+                             "starting no new run\n")
+        for proc in list(self._children.values()):  # the handler runs in the main thread: no lock
+            self._terminate(proc)
+
+    @staticmethod
+    def _terminate(proc: subprocess.Popen) -> None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def call(self, cmd: list[str], **kwargs) -> int:
+        """``subprocess.call`` that the handler can reach; a run that would start after the signal does not."""
+        with self._lock:
+            if self.signum is not None:
+                return -signal.SIGTERM
+            proc = subprocess.Popen(cmd, **kwargs)
+            self._children = {**self._children, proc.pid: proc}
+        if self.signum is not None:  # came between the check and the registration
+            self._terminate(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self._lock:
+                self._children = {k: v for k, v in self._children.items() if k != proc.pid}
+
+
+STOP = Stop()
+
+
 def execute(run: dict, out: Path, steps: int, log_dir: Path, extra: list[str],
-            gate=None) -> tuple[str, int, float]:
-    """Run (or resume, or restart) one run to ``steps``; ``gate()`` waits for a shared warm-up first."""
+            gate=None) -> tuple[str, int | None, float]:
+    """Run (or resume, or restart) one run to ``steps``; ``gate()`` waits for a shared warm-up first.
+    Returns (name, rc, seconds): rc None when the study was stopped before the run started, 7 when it
+    stopped the run (:class:`Stop`)."""
     d = run_dir(out, run)
     steps = run.get("steps", steps)
     if done(d, steps):
@@ -792,6 +850,8 @@ def execute(run: dict, out: Path, steps: int, log_dir: Path, extra: list[str],
     check_settings(run, d)
     if gate is not None:
         gate()
+    if STOP.signum is not None:
+        return run["name"], None, 0.0
     cmd = command(run, out, steps, extra)
     d.mkdir(parents=True, exist_ok=True)
     meta_path = d / "study_run.json"
@@ -811,10 +871,14 @@ def execute(run: dict, out: Path, steps: int, log_dir: Path, extra: list[str],
     with open(log, "a") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if rc == 0 and not done(d, steps):
+        rc = STOP.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if STOP.signum is not None and (rc == 0 and not done(d, steps) or rc == -signal.SIGTERM):
+        rc = 7  # stopped by the signal: at a checkpoint, or before its handler was installed (no new step)
+    elif rc == 0 and not done(d, steps):
         rc = 4  # the trainer exited cleanly without all steps (stopped by the stability monitor?)
     attempt.update(wall_s=round(time.time() - t0, 1), rc=rc)
+    if STOP.signum is not None:
+        attempt["stopped_by_signal"] = STOP.signum
     write_meta()
     return run["name"], rc, time.time() - t0
 
@@ -1027,6 +1091,7 @@ def main() -> None:
     meta_path.write_text(json.dumps({"steps": args.steps, "long_steps": args.long_steps,
                                      "real_steps": args.real_steps, "runs": merged,
                                      "common": COMMON}, indent=1))
+    STOP.install()
     t0 = time.time()
     failures: list[str] = []
     lock = threading.Lock()
@@ -1069,6 +1134,8 @@ def main() -> None:
         gate = WarmupGate(part, out)
 
         def one(row):
+            if STOP.signum is not None:
+                return row["name"], None, 0.0
             state = f"resume from step {row['at_step']}" if row["state"] == "resume" else row["state"]
             say(f"start {row['group']}/{row['name']}: {state}")
             try:
@@ -1088,8 +1155,17 @@ def main() -> None:
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             for name, rc, sec in pool.map(one, part):
-                say(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s")
-                failures += [name] if rc else []
+                if rc is None:
+                    continue  # not started: the study was stopped
+                say(f"[{time.time() - t0:7.0f}s] {name}: rc={rc} {sec:.0f}s"
+                    + (" (stopped at a checkpoint by the signal)" if rc == 7 else ""))
+                failures += [name] if rc and rc != 7 else []
+        if STOP.signum is not None:
+            break
+    if STOP.signum is not None:
+        sys.exit(f"study stopped by signal {STOP.signum} after {time.time() - t0:.0f}s: its running trainers "
+                 "checkpointed and exited; the same command resumes them"
+                 + (f"; failed runs: {failures} (logs in {log_dir})" if failures else ""))
     ran = sum(len(c) for c in parts)
     skipped = len([x for x in rows if x["remaining"]]) - ran
     print(f"study finished in {time.time() - t0:.0f}s; {len(runs) - len(failures) - skipped}/{len(runs)} runs ok"
