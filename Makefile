@@ -30,9 +30,9 @@ LINT_PATHS ?= nemo_fp8rl tests benchmarks scripts examples
 # are compiled, so runs do not compile at import, also where PYTHONDONTWRITEBYTECODE is set). Measured 2026-12-07
 # on a 2-core AVX2-only EPYC, fresh venv to the test set (`make install-test`, the machine otherwise idle): 228 and
 # 248 s as five pip calls that compile (before), 194 and 188 s as below (of which COMPILE ~44 s). The resulting
-# packages are the same, less two that nothing required (kernels, tomlkit: the five calls' leftovers). COMPILE's
-# exit status is 1 because torch ships a
-# Python 3.12-only test file (torch/testing/_internal/py312_intrinsics.py); pip ignores such failures as well.
+# packages are the same, less two that nothing required (kernels, tomlkit: the five calls' leftovers).
+# COMPILE's exit status is 1 because torch ships a Python 3.12-only test file
+# (torch/testing/_internal/py312_intrinsics.py); pip ignores such failures as well.
 PURELIB = $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 COMPILE = $(PY) -W ignore -m compileall -qq -j 0 $(PURELIB) || true
 
