@@ -25,6 +25,11 @@ LINT_PATHS ?= nemo_fp8rl tests benchmarks scripts examples
 
 .PHONY: venv install install-test demo demo-real test lint clean
 
+# `make test` runs the install as a sub-make beside the SLURM start-up; through this variable, not $(MAKE) in the
+# recipe, so that `make -n test` prints that recipe instead of running it (GNU make runs every recipe line that
+# names $(MAKE) even under -n, and this line would start SLURM).
+SUBMAKE := $(MAKE)
+
 # pip compiles every .py file it installs to bytecode, in one process (~27,000 files with the test extras). The
 # installs below skip that (--no-compile) and COMPILE does it afterwards on every core, as pip would have (the files
 # are compiled, so runs do not compile at import, also where PYTHONDONTWRITEBYTECODE is set). Measured 2026-12-07
@@ -88,7 +93,7 @@ test:
 	if [ "$(SLURM)" = 1 ] && [ "$$(id -u)" = 0 ]; then \
 		{ timeout 600 scripts/slurm_local.sh || \
 			echo "make test: the local SLURM cluster did not start; the slurm tests will be skipped"; } & slurm=$$!; fi; \
-	$(MAKE) --no-print-directory install-test; \
+	$(SUBMAKE) --no-print-directory install-test; \
 	if [ -n "$$slurm" ]; then wait $$slurm; fi
 	$(VENV)/bin/ruff check $(LINT_PATHS)  # style debt stops the run before the (long) tests
 	@# the CPU-feature-dependent files on a presented AVX2-only CPU (tests/conftest.py), so a machine with AVX-512
