@@ -101,9 +101,13 @@ def main() -> None:
         # The trainer traps SIGTERM/SIGINT and only sets a flag that its fit() reads; the loop below does not,
         # so a signal was ignored until all steps had run. This measurement keeps no checkpoint: a signal
         # stops it at once, and the finally below closes the trainer (engine, reward worker, its handlers).
+        # A signal during the build (its warm-up can take minutes) was kept by the trainer's handler: it stops
+        # the measurement here, before the first step.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _stop_now)
         try:
+            if trainer._stop_signal is not None:
+                _stop_now(trainer._stop_signal, None)
             a = trainer.cfg.algorithm
             if a.old_logprobs != "recompute" or a.rollout_correction != "tis":
                 sys.exit(f"{run}: algorithm.old_logprobs={a.old_logprobs}, rollout_correction={a.rollout_correction};"
