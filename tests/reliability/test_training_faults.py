@@ -1,6 +1,5 @@
 """Faults during training: kill -9 + resume, non-finite updates, a full disk, an unwritable output dir."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.trainer import RLTrainer, StopTraining, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "trainer"))
-from _cli import DEMO_STEPS, TINY, demo_overrides, metrics, run_cli, strip_timing  # noqa: E402
+from _cli import DEMO_STEPS, TINY, demo_overrides, metrics, run_cli, signal_group_when, strip_timing  # noqa: E402
 
 
 def test_kill9_mid_run_then_resume_keeps_every_step_once(demo_runs, tmp_path):
@@ -128,20 +127,8 @@ def test_preemption_signal_checkpoints_and_exits_cleanly(tmp_path, sig):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "nemo_fp8rl.train", *TINY, f"output_dir={out}",
            f"warmup.cache_dir={tmp_path / '.warmup_cache'}", "trainer.max_steps=200", "trainer.checkpoint_interval=1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not (out / "checkpoints" / "step_2").is_dir():
-            time.sleep(0.05)
-        os.killpg(proc.pid, sig)
-        _, err = proc.communicate(timeout=240)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, err[-2000:]
+    rc, err = signal_group_when(cmd, lambda: (out / "checkpoints" / "step_2").is_dir(), sig)
+    assert rc == 0, err[-2000:]
     logged = len(read_metrics(str(out)))
     assert 2 <= logged < 200
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{logged}"

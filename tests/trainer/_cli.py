@@ -40,6 +40,29 @@ def run_cli(out: Path, *overrides: str, check: bool = True, timeout: int = 300, 
     return proc
 
 
+def signal_group_when(cmd: list[str], ready, sig: int, timeout: float = 240) -> tuple[int, str]:
+    """Start ``cmd`` in a session of its own, wait until ``ready()`` (or ``timeout`` seconds), send ``sig`` to its
+    whole process group (as SLURM's scancel/preemption and a terminal's job control do: the trainer's helper
+    processes get it too) and wait for the exit. Returns (exit code, stderr); the group is SIGKILLed after."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline and not ready():
+            time.sleep(0.05)
+        os.killpg(proc.pid, sig)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, err
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

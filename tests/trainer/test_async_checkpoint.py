@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._cli import metrics, run_cli, strip_timing
+from ._cli import metrics, run_cli, signal_group_when, strip_timing
 from ._reshard import cut_back_to
 
 TINY = {"vocab_size": 19, "make_vocab_size_divisible_by": 4, "num_layers": 2, "hidden_size": 64,
@@ -285,22 +285,10 @@ def test_sigterm_with_async_saves_publishes_the_last_step_and_exits_cleanly(tmp_
     cmd = [sys.executable, "-m", "nemo_fp8rl.train", *CLI_TINY, f"output_dir={out}",
            f"warmup.cache_dir={tmp_path / '.warmup_cache'}", "trainer.max_steps=200", "trainer.checkpoint_interval=1",
            "trainer.async_save=true"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and (not (out / "metrics.jsonl").is_file() or len(metrics(out)) < 3):
-            time.sleep(0.05)
-        # to the whole process group, as SLURM's scancel/preemption and a terminal's job control do: the
-        # trainer's helper processes (megatron's results-queue manager, the forked writer) get it too
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=240)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, err[-2000:]
+    # SIGTERM to the whole group: megatron's results-queue manager and the forked writer get it too
+    rc, err = signal_group_when(cmd, lambda: (out / "metrics.jsonl").is_file() and len(metrics(out)) >= 3,
+                                signal.SIGTERM)
+    assert rc == 0, err[-2000:]
     logged = len(metrics(out))
     assert 3 <= logged < 200
     root = out / "checkpoints"
