@@ -37,24 +37,30 @@ def _signal_when_parent_dies(sig: int) -> None:
         pass
 
 
-def _manager_server_init() -> None:
-    """Runs in megatron's results-queue manager process (a spawned server) before it serves.
+def _outlive_stop_signals_not_the_trainer(trainer_pid: int) -> None:
+    """In a helper process of the trainer (megatron's results-queue manager, the forked async writer):
+    ignore the job's stop signals and die (SIGKILL) with the trainer.
 
-    - The job's stop signals are ignored: SLURM (scancel, preemption, ``--signal``) and a terminal's
-      Ctrl-C signal every process of the trainer's process group, and the trainer's handler then writes a
-      last checkpoint, which needs this queue. (CPython's server ignores only SIGINT; SIGTERM or SIGUSR1
-      killed it, and that last checkpoint failed with "Broken pipe".)
-    - It is SIGKILLed when the trainer dies (the signal it would otherwise get is now ignored), so a
-      ``kill -9`` of the trainer leaves no server behind."""
-    import multiprocessing as mp
+    SLURM (scancel, preemption, ``--signal``) and a terminal's Ctrl-C signal every process of the trainer's
+    process group; the trainer's handler then writes one last checkpoint, which goes through these helpers.
+    After a ``kill -9`` of the trainer nothing can use them: they must not live on. Exits at once if the
+    trainer (``trainer_pid``) died before the prctl."""
     import signal
 
     for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
     _signal_when_parent_dies(signal.SIGKILL)
-    parent = mp.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # the trainer died before the prctl
+    if os.getppid() != trainer_pid:
         os._exit(1)
+
+
+def _manager_server_init() -> None:
+    """Runs in megatron's results-queue manager process (a spawned server) before it serves. CPython's
+    server ignores only SIGINT: SIGTERM or SIGUSR1 to the job killed it, and the trainer's last checkpoint
+    failed with "Broken pipe"."""
+    import multiprocessing as mp
+
+    _outlive_stop_signals_not_the_trainer(mp.parent_process().pid)
 
 
 _manager = None  # the SyncManager serving megatron's results queue in this process
@@ -111,14 +117,7 @@ def _writer_dies_with_trainer(write_fn, *args, **kwargs):
     would only keep filling ``.tmp-step_<N>/`` (which the next run removes and may recreate). The
     preemption signals the trainer handles are ignored here (the fork inherited its handlers): the
     trainer finishes its step, waits for this write and exits."""
-    import signal
-
-    for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
-    parent = os.getppid()
-    _signal_when_parent_dies(signal.SIGKILL)
-    if os.getppid() != parent:  # the trainer died before the prctl
-        os._exit(1)
+    _outlive_stop_signals_not_the_trainer(os.getppid())
     write_fn(*args, **kwargs)
 
 

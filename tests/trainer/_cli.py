@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 TINY = [
@@ -44,9 +46,6 @@ def signal_group_when(cmd: list[str], ready, sig: int, timeout: float = 240) -> 
     """Start ``cmd`` in a session of its own, wait until ``ready()`` (or ``timeout`` seconds), send ``sig`` to its
     whole process group (as SLURM's scancel/preemption and a terminal's job control do: the trainer's helper
     processes get it too) and wait for the exit. Returns (exit code, stderr); the group is SIGKILLed after."""
-    import signal
-    import time
-
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
