@@ -27,8 +27,8 @@ def test_pip_settings_merge_files_sections_and_environment(tmp_path):
     cfg.write_text("[global]\nindex-url = https://idx.invalid/simple\nfind-links = /from/global\n"
                    "extra-index-url =\n    https://a.invalid/simple\n    https://b.invalid/simple\n"
                    "[install]\nfind-links = /from/install\n[download]\nno-index = true\n")
-    env = dict(os.environ, PIP_CONFIG_FILE=str(cfg), PIP_CONSTRAINT="/c1.txt /c2.txt")
-    env.pop("PIP_FIND_LINKS", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}  # the machine's own PIP_* aside
+    env.update(PIP_CONFIG_FILE=str(cfg), PIP_CONSTRAINT="/c1.txt /c2.txt")
     out = subprocess.run([sys.executable, "-c", "import sys, json; sys.path.insert(0, 'scripts'); import pip_install; "
                           "print(json.dumps(pip_install.pip_settings()))"], cwd=ROOT, env=env, capture_output=True,
                          text=True, check=True).stdout
