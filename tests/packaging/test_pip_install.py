@@ -79,10 +79,9 @@ def test_installs_by_uv_and_by_pip_where_uv_is_not_used_or_fails(tmp_path):
         pytest.skip("no uv in the test environment (make install-test puts one there)")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    # this environment's pip and uv, copied: what ensurepip and pip_install would otherwise install (seconds)
+    # this environment's pip (and below its uv), copied: what ensurepip and pip_install would otherwise install
     site = next((venv / "lib").glob("python*/site-packages"))
     shutil.copytree(Path(sysconfig.get_paths()["purelib"]) / "pip", site / "pip")
-    shutil.copy2(uv, venv / "bin" / "uv")
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     py = str(venv / "bin" / "python")
@@ -96,6 +95,9 @@ def test_installs_by_uv_and_by_pip_where_uv_is_not_used_or_fails(tmp_path):
         assert subprocess.run([py, "-c", f"import {name}; assert {name}.VALUE == 1"]).returncode == 0
         return proc.stdout
 
+    # no uv to be had (no index, and no uv among the find-links): pip installs
+    assert "(no uv)" in install("probe_no_uv", PIP_NO_INDEX="1", PIP_FIND_LINKS=str(wheels))
+    shutil.copy2(uv, venv / "bin" / "uv")
     assert "pip_install: uv pip install -q --no-index" in install("probe_uv")
     assert "(NEMO_FP8RL_INSTALLER=pip)" in install("probe_forced", NEMO_FP8RL_INSTALLER="pip")
     # an argument only pip knows: uv refuses it and pip installs
