@@ -44,7 +44,8 @@ TRANSLATED = {"index-url": ("--index-url", False), "extra-index-url": ("--extra-
 FLAGS = {"no-index": "--no-index"}
 IGNORED = {"timeout", "default-timeout", "disable-pip-version-check", "no-compile", "compile", "progress-bar",
            "no-color", "quiet", "verbose", "retries", "root-user-action", "no-input", "cache-dir", "no-cache-dir",
-           "break-system-packages", "user-agent", "require-virtualenv", "config-file"}
+           "break-system-packages", "user-agent", "require-virtualenv", "config-file",
+           "no-warn-script-location"}
 SECTIONS = ("global", "install", ":env:")
 """pip's precedence for ``pip install``, lowest first."""
 

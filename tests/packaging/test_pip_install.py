@@ -86,11 +86,15 @@ def test_installs_by_uv_and_by_pip_where_uv_is_not_used_or_fails(tmp_path):
     wheels.mkdir()
     py = str(venv / "bin" / "python")
 
+    # the machine's pip configuration aside (files and PIP_*): each case sets what it is about
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    base_env["PIP_CONFIG_FILE"] = os.devnull
+
     def install(name: str, *extra: str, **env: str) -> str:
         _wheel(wheels, name)
         proc = subprocess.run([py, str(ROOT / "scripts" / "pip_install.py"), "-q", "--no-compile", "--no-index",
                                "--find-links", str(wheels), *extra, name], capture_output=True, text=True,
-                              env=dict(os.environ, **env), cwd=tmp_path)
+                              env=dict(base_env, **env), cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert subprocess.run([py, "-c", f"import {name}; assert {name}.VALUE == 1"]).returncode == 0
         return proc.stdout
