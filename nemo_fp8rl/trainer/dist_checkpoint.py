@@ -110,14 +110,15 @@ def dist_save(sharded: dict, directory: Path, device) -> None:
         dist_checkpointing.save(sharded, str(directory), sharded_strategy=_save_strategy())
 
 
-def _writer_dies_with_trainer(write_fn, *args, **kwargs):
-    """Runs in megatron's forked async writer: die (SIGKILL) with the trainer that forked it, then write.
+def _writer_dies_with_trainer(trainer_pid: int, write_fn, *args, **kwargs):
+    """Runs in megatron's forked async writer: die (SIGKILL) with the trainer that forked it (``trainer_pid``,
+    bound before the fork: a trainer dead before this line is then seen), then write.
 
     After a ``kill -9`` of the trainer nothing can publish this checkpoint any more; a writer living on
     would only keep filling ``.tmp-step_<N>/`` (which the next run removes and may recreate). The
     preemption signals the trainer handles are ignored here (the fork inherited its handlers): the
     trainer finishes its step, waits for this write and exits."""
-    _outlive_stop_signals_not_the_trainer(os.getppid())
+    _outlive_stop_signals_not_the_trainer(trainer_pid)
     write_fn(*args, **kwargs)
 
 
@@ -149,7 +150,7 @@ def dist_save_async(sharded: dict, directory: Path, device, calls) -> None:
         request = dist_checkpointing.save(sharded, str(directory), sharded_strategy=_save_strategy(),
                                           async_sharded_save=True)
         if request.async_fn is not None:
-            request = request._replace(async_fn=partial(_writer_dies_with_trainer, request.async_fn))
+            request = request._replace(async_fn=partial(_writer_dies_with_trainer, os.getpid(), request.async_fn))
         calls.schedule_async_request(request)
 
 
