@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import gc
 import math
+import signal
 import weakref
 
+import psutil
 import pytest
 import torch
 
@@ -54,6 +56,8 @@ def engines(weights):
         pytest.skip(NO_VLLM)
     torch.manual_seed(1234)
     rng, threads, set_threads = torch.random.get_rng_state(), torch.get_num_threads(), torch.set_num_threads
+    handlers = {s: signal.getsignal(s) for s in _JOB_SIGNALS}
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
     # a tiny bucket: every sync streams the model in many buckets (a layer split across buckets)
     v = get_rollout_engine("vllm", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD, sync_bucket_mb=0.05)
     v.update_weights(weights["a"])
@@ -61,6 +65,9 @@ def engines(weights):
     # vLLM reseeds torch's RNG, sets 1 thread and disables torch.set_num_threads: the engine undoes all three
     _TORCH_STATE_KEPT.update(rng=torch.equal(rng, torch.random.get_rng_state()), threads=torch.get_num_threads() == threads,
                              set_num_threads=torch.set_num_threads is set_threads)
+    _PROCESS_STATE.update(handlers_kept=[s.name for s in _JOB_SIGNALS if signal.getsignal(s) is not handlers[s]] or True,
+                          new_processes=[" ".join(p.cmdline()[:3]) for p in psutil.Process().children(recursive=True)
+                                         if p.pid not in children])
     t = get_rollout_engine("torch", CFG, fp8_scheme="off", eos_id=EOS, pad_id=PAD)
     yield v, t
     v.close()  # frees vLLM before the next module's engine
@@ -73,10 +80,20 @@ def engines(weights):
 
 
 _TORCH_STATE_KEPT: dict[str, bool] = {}
+_JOB_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+_PROCESS_STATE: dict[str, object] = {}
 
 
 def test_the_engine_leaves_torch_global_state_alone(engines):
     assert _TORCH_STATE_KEPT == {"rng": True, "threads": True, "set_num_threads": True}
+
+
+def test_the_engine_starts_no_process_and_keeps_the_signal_handlers(engines):
+    """Preemption with rollout.engine=vllm: SLURM's USR1/TERM and a terminal's Ctrl-C go to the job's whole
+    process group. The engine (built, synced, generating) runs in the trainer's process and starts no other
+    (no engine core, worker or compile pool that the signal would kill mid-step), and the trainer's handlers
+    for those signals stay installed, so the trainer finishes its step and checkpoints (docs/reliability.md)."""
+    assert _PROCESS_STATE == {"handlers_kept": True, "new_processes": []}
 
 
 def _torch_logp(t, weights, out, temperature):
