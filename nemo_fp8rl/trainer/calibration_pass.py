@@ -32,12 +32,12 @@ bounds are the nominal ``(1 - eps_low, 1 + eps_high)``: ``RLTrainer.step`` has n
 
 from __future__ import annotations
 
-import time
 from typing import Dict, Optional
 
 import torch
 
 from nemo_fp8rl.algorithms import CalibratedClipping, make_metric
+from nemo_fp8rl.trainer import timing
 from nemo_fp8rl.algorithms.metrics import Metric
 from nemo_fp8rl.algorithms.push import push_metrics, push_stats
 
@@ -102,9 +102,9 @@ class CalibrationPass(NoCalibration):
         return self.calibrator.bounds if self.calibrator.apply else (lower, upper)
 
     def _shadow(self, tokens: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0 = timing.start()
         logp = self.actor.get_shadow_logprobs(tokens, temperature=self.temperature)[0]
-        self.shadow_s += time.perf_counter() - t0
+        self.shadow_s += timing.elapsed_since(t0)
         return logp
 
     def shadow_old_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Tensor]:
@@ -156,7 +156,7 @@ class CalibrationPass(NoCalibration):
 
         if not self._push_rows:  # no minibatch ran (every rank alike: all see the same number)
             return {}
-        t0 = time.perf_counter()
+        t0 = timing.start()
         tokens, mask, hp_old, adv = (torch.cat(parts, 0) for parts in zip(*self._push_rows))
         self._push_rows = []
         after = self.actor.get_shadow_logprobs(tokens, temperature=self.temperature)[0] * mask
@@ -165,7 +165,7 @@ class CalibrationPass(NoCalibration):
             stats = stats.to(comm_device())
             torch.distributed.all_reduce(stats, group=self.actor.dp_group)
         out = push_metrics(stats.cpu())
-        out["timing/push_forward"] = make_metric(time.perf_counter() - t0, "mean")
+        out["timing/push_forward"] = make_metric(timing.elapsed_since(t0), "mean")
         return out
 
 

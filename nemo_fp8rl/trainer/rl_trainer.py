@@ -24,8 +24,6 @@ import logging
 import math
 import os
 import signal
-import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -57,6 +55,7 @@ from nemo_fp8rl.rollout.fp8_setup import rollout_fp8_setup
 from nemo_fp8rl.trainer.checkpoint import CheckpointManager
 from nemo_fp8rl.trainer.kv_scales import KvScaleSync
 from nemo_fp8rl.trainer.logger import MetricsLogger
+from nemo_fp8rl.trainer import timing
 from nemo_fp8rl.validation import validate
 
 logger = logging.getLogger(__name__)
@@ -408,11 +407,11 @@ class RLTrainer:
         a = self.cfg.algorithm
         self.calibration.begin(self.step_idx)
         timings: Dict[str, float] = {}
-        t_step = time.perf_counter()
+        t_step = timing.start()  # every phase timer waits for the GPU at its ends (trainer/timing.py)
 
         # 1-3: rollout, rewards, advantages
-        with _timed(timings, "rollout"):
-            with _timed(timings, "weight_sync"):  # part of timing/rollout
+        with timing.timed(timings, "rollout"):
+            with timing.timed(timings, "weight_sync"):  # part of timing/rollout
                 # streamed layer by layer (TP-gathered, PP-broadcast): never a full copy of the model per rank
                 kv_metrics = self.kv_sync.sync(self.engine, self._weight_stream())  # + FP8 KV-cache scales
             batch, scores, rewards, adv, ds_metrics = self._rollout()
@@ -422,7 +421,7 @@ class RLTrainer:
         rollout_logp = batch.rollout_logp.float() * mask
 
         # 4: old / shadow / reference log-probs, rollout correction
-        with _timed(timings, "logprobs"):
+        with timing.timed(timings, "logprobs"):
             if a.old_logprobs == "recompute":
                 old_logp = self.actor.get_logprobs(batch.tokens, temperature=self.cfg.rollout.temperature)[0] * mask
             else:
@@ -441,11 +440,11 @@ class RLTrainer:
 
         # 5: minibatch updates with the bounds in force
         lower, upper = self.calibration.bounds(1.0 - a.eps_low, 1.0 + a.eps_high)
-        shadow_before, t_train = self.calibration.shadow_s, time.perf_counter()
+        shadow_before, t_train = self.calibration.shadow_s, timing.start()
         mb_metrics = self._update(data, lower, upper)
         minibatch_shadow = self.calibration.shadow_s - shadow_before
         timings["shadow"] = self.calibration.shadow_s  # the old-policy and minibatch shadow forwards
-        timings["train"] = time.perf_counter() - t_train - minibatch_shadow
+        timings["train"] = timing.elapsed_since(t_train) - minibatch_shadow
 
         # 6: calibration update (bounds apply from the next step)
         calib_metrics = self.calibration.finish()
@@ -474,7 +473,7 @@ class RLTrainer:
         if a.old_logprobs == "recompute":
             local.update(mismatch_metrics(old_logp, rollout_logp, mask, hp_old_logp=hp_old))
         out = self._step_metrics(local, mb_metrics, calib_metrics, lower, upper)
-        timings["step"] = time.perf_counter() - t_step
+        timings["step"] = timing.elapsed_since(t_step)
         out.update({f"timing/{k}": v for k, v in timings.items()})
         self.step_idx += 1
         return out
@@ -856,11 +855,3 @@ def _check_writable(out: Path) -> None:
     except OSError as e:
         raise ValueError(f"output_dir={str(out)!r} is not writable ({e.strerror}); choose a writable directory") from e
 
-
-@contextmanager
-def _timed(timings: Dict[str, float], key: str):
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
