@@ -358,6 +358,29 @@ class WarmupConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """A profile of a range of RL steps (``trainer.profile``; docs/design.md, "Profiling"), like Megatron's
+    ``--profile --profile-step-start/--profile-step-end --profile-ranks``. Every step phase (the
+    ``timing/<phase>`` timers) is a named range in it: ``phase/step``, ``phase/rollout``,
+    ``phase/weight_sync``, ``phase/logprobs``, ``phase/train``, ``phase/shadow``, ``phase/push_forward``."""
+
+    kind: Optional[str] = None
+    """null (off) | torch: torch.profiler over the steps (CPU ops, and CUDA kernels on a GPU), written to
+    ``<output_dir>/profile/`` as a Chrome/Perfetto trace and a table of the top ops | nsys: the steps
+    between ``cudaProfilerStart`` and ``cudaProfilerStop`` with NVTX ranges per phase, for
+    ``nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop`` (needs CUDA)."""
+    start_step: int = 1
+    """First profiled RL step (0-based, the ``step`` of metrics.jsonl). Step 0 compiles and warms up the
+    kernels, so the default starts after it."""
+    end_step: int = 1
+    """Last profiled RL step (inclusive)."""
+    ranks: List[int] = field(default_factory=lambda: [0])
+    """Global ranks that profile (each writes its own files)."""
+    record_shapes: bool = False
+    """torch: record each op's input shapes (bigger trace, grouped table by shape)."""
+
+
+@dataclass
 class TrainerConfig:
     """Loop control."""
 
@@ -382,6 +405,8 @@ class TrainerConfig:
     cpu_threads: Optional[int] = 1
     """torch intra-op threads on CPU (null = torch's default). The tiny model's kernels are too small
     to gain from more threads, and extra threads slow it down when cores are shared."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Profile a range of steps (``trainer.profile.kind=torch`` or ``nsys``); off by default."""
 
 
 @dataclass
@@ -648,6 +673,14 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
     if any(not isinstance(k, int) or k < 0 for k in cfg.logger.samples) or cfg.logger.samples_per_step < 1:
         raise ConfigError(f"logger.samples={list(cfg.logger.samples)} must list step numbers >= 0 (e.g. "
                           f"logger.samples=[0,10,19]) and logger.samples_per_step={cfg.logger.samples_per_step} be >= 1")
+    pr = cfg.trainer.profile
+    check_choice("trainer.profile.kind", pr.kind, [None, "torch", "nsys"])
+    if not 0 <= pr.start_step <= pr.end_step:
+        raise ConfigError(f"trainer.profile.start_step={pr.start_step} and end_step={pr.end_step} must satisfy "
+                          "0 <= start_step <= end_step (an inclusive range of RL steps, e.g. start_step=5 end_step=6)")
+    if not pr.ranks or any(not isinstance(r, int) or r < 0 for r in pr.ranks):
+        raise ConfigError(f"trainer.profile.ranks={list(pr.ranks)} must list global ranks >= 0 (e.g. "
+                          "trainer.profile.ranks=[0])")
     st = cfg.stability
     check_choice("stability.action", st.action, ["warn", "stop", "none"])
     if st.patience < 1:

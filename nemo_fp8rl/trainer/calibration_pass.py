@@ -102,9 +102,10 @@ class CalibrationPass(NoCalibration):
         return self.calibrator.bounds if self.calibrator.apply else (lower, upper)
 
     def _shadow(self, tokens: torch.Tensor) -> torch.Tensor:
-        t0 = timing.start()
-        logp = self.actor.get_shadow_logprobs(tokens, temperature=self.temperature)[0]
-        self.shadow_s += timing.elapsed_since(t0)
+        spent: Dict[str, float] = {}
+        with timing.timed(spent, "shadow"):
+            logp = self.actor.get_shadow_logprobs(tokens, temperature=self.temperature)[0]
+        self.shadow_s += spent["shadow"]
         return logp
 
     def shadow_old_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Tensor]:
@@ -156,16 +157,17 @@ class CalibrationPass(NoCalibration):
 
         if not self._push_rows:  # no minibatch ran (every rank alike: all see the same number)
             return {}
-        t0 = timing.start()
-        tokens, mask, hp_old, adv = (torch.cat(parts, 0) for parts in zip(*self._push_rows))
-        self._push_rows = []
-        after = self.actor.get_shadow_logprobs(tokens, temperature=self.temperature)[0] * mask
-        stats = push_stats(after, hp_old, adv, mask)
-        if self.actor.dp_size > 1:
-            stats = stats.to(comm_device())
-            torch.distributed.all_reduce(stats, group=self.actor.dp_group)
-        out = push_metrics(stats.cpu())
-        out["timing/push_forward"] = make_metric(timing.elapsed_since(t0), "mean")
+        spent: Dict[str, float] = {}
+        with timing.timed(spent, "push_forward"):
+            tokens, mask, hp_old, adv = (torch.cat(parts, 0) for parts in zip(*self._push_rows))
+            self._push_rows = []
+            after = self.actor.get_shadow_logprobs(tokens, temperature=self.temperature)[0] * mask
+            stats = push_stats(after, hp_old, adv, mask)
+            if self.actor.dp_size > 1:
+                stats = stats.to(comm_device())
+                torch.distributed.all_reduce(stats, group=self.actor.dp_group)
+            out = push_metrics(stats.cpu())
+        out["timing/push_forward"] = make_metric(spent["push_forward"], "mean")
         return out
 
 

@@ -56,6 +56,7 @@ from nemo_fp8rl.trainer.checkpoint import CheckpointManager
 from nemo_fp8rl.trainer.kv_scales import KvScaleSync
 from nemo_fp8rl.trainer.logger import MetricsLogger
 from nemo_fp8rl.trainer import timing
+from nemo_fp8rl.trainer.profiling import StepProfiler
 from nemo_fp8rl.validation import validate
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,8 @@ class RLTrainer:
             fp8_auto_tokens=cfg.parallel.micro_batch_size * cfg.model.seq_length,
         )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.profiler = StepProfiler(cfg.trainer.profile, self.rank, dist.get_world_size() if dist.is_initialized() else 1,
+                                     self.out)
         if a.prompts_per_step % self.actor.dp_size:
             raise ValueError(
                 f"algorithm.prompts_per_step={a.prompts_per_step} must be divisible by the data-parallel size "
@@ -404,10 +407,17 @@ class RLTrainer:
     def step(self) -> Dict[str, float]:
         """One RL step (docs/design.md, "One training step"): rollout, rewards and advantages; old, shadow and reference
         log-probs; minibatch updates with the clip bounds in force; the calibration update; metrics."""
+        timings: Dict[str, float] = {}
+        with timing.timed(timings, "step"):  # every phase timer waits for the GPU at its ends (trainer/timing.py)
+            out = self._step(timings)
+        out.update({f"timing/{k}": v for k, v in timings.items()})
+        self.step_idx += 1
+        return out
+
+    def _step(self, timings: Dict[str, float]) -> Dict[str, float]:
+        """The body of :meth:`step`: its metrics, the phase times added to ``timings``."""
         a = self.cfg.algorithm
         self.calibration.begin(self.step_idx)
-        timings: Dict[str, float] = {}
-        t_step = timing.start()  # every phase timer waits for the GPU at its ends (trainer/timing.py)
 
         # 1-3: rollout, rewards, advantages
         with timing.timed(timings, "rollout"):
@@ -440,11 +450,12 @@ class RLTrainer:
 
         # 5: minibatch updates with the bounds in force
         lower, upper = self.calibration.bounds(1.0 - a.eps_low, 1.0 + a.eps_high)
-        shadow_before, t_train = self.calibration.shadow_s, timing.start()
-        mb_metrics = self._update(data, lower, upper)
+        shadow_before = self.calibration.shadow_s
+        with timing.timed(timings, "train"):
+            mb_metrics = self._update(data, lower, upper)
         minibatch_shadow = self.calibration.shadow_s - shadow_before
         timings["shadow"] = self.calibration.shadow_s  # the old-policy and minibatch shadow forwards
-        timings["train"] = timing.elapsed_since(t_train) - minibatch_shadow
+        timings["train"] -= minibatch_shadow
 
         # 6: calibration update (bounds apply from the next step)
         calib_metrics = self.calibration.finish()
@@ -472,11 +483,7 @@ class RLTrainer:
         local.update(self._degeneracy_metrics(batch, hp_old, mask))
         if a.old_logprobs == "recompute":
             local.update(mismatch_metrics(old_logp, rollout_logp, mask, hp_old_logp=hp_old))
-        out = self._step_metrics(local, mb_metrics, calib_metrics, lower, upper)
-        timings["step"] = timing.elapsed_since(t_step)
-        out.update({f"timing/{k}": v for k, v in timings.items()})
-        self.step_idx += 1
-        return out
+        return self._step_metrics(local, mb_metrics, calib_metrics, lower, upper)
 
     def _rollout_correction_kw(self) -> dict:
         """The keyword arguments of ``algorithm.rollout_correction``'s mode (TIS cap, IcePop band)."""
@@ -739,8 +746,10 @@ class RLTrainer:
         last: Dict[str, float] = {}
         try:
             while self.step_idx < t.max_steps:
+                self.profiler.before_step(self.step_idx)  # trainer.profile: its steps, on its ranks
                 metrics = self.step()
                 step_done = self.step_idx - 1
+                self.profiler.after_step(step_done)
                 self.logger.log(step_done, metrics)
                 last = metrics
                 self.ckpt.poll()  # publish a finished asynchronous save (collective; no-op if none)
@@ -781,7 +790,9 @@ class RLTrainer:
 
     def close(self) -> None:
         """Release what the run holds: the rollout engine, the task's reward workers, the logger and the
-        run's log file, and the signal handlers it installed. Idempotent; :meth:`fit` calls it on every exit."""
+        run's log file, and the signal handlers it installed; writes a profile still running. Idempotent;
+        :meth:`fit` calls it on every exit."""
+        self.profiler.stop()
         for s, h in self._old_handlers.items():
             signal.signal(s, h)
         self._old_handlers = {}

@@ -9,6 +9,10 @@ train phase's first ``.item()``). Each timer therefore waits for the device at b
 done and nothing queued before it is counted. That costs one wait per phase boundary, a handful per step
 of seconds. Without CUDA in use (CPU runs, and GPU hosts where this process never touched CUDA) there is
 nothing to wait for and the timers only read the clock.
+
+Each timed block is also a named range, ``phase/<key>``, in a profile of the step
+(``trainer.profile``, :mod:`nemo_fp8rl.trainer.profiling`): a ``torch.profiler.record_function`` (a few
+microseconds when no profiler runs) and, while an Nsight Systems capture runs, an NVTX range.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["device_sync", "elapsed_since", "start", "timed"]
+__all__ = ["device_sync", "elapsed_since", "set_nvtx", "start", "timed"]
+
+_nvtx = {"on": False}
 
 
 def _cuda_in_use() -> bool:
@@ -44,10 +50,25 @@ def elapsed_since(t0: float) -> float:
     return time.perf_counter() - t0
 
 
+def set_nvtx(on: bool) -> None:
+    """Push an NVTX range per timed block from now on (``trainer.profile.kind=nsys`` while it captures)."""
+    _nvtx["on"] = bool(on)
+
+
 @contextmanager
 def timed(timings: dict[str, float], key: str) -> Iterator[None]:
-    """Add the block's time (:func:`start` to :func:`elapsed_since`) to ``timings[key]``. A block that raises
-    adds nothing (its step fails, and a device wait could hide the error)."""
-    t0 = start()
-    yield
-    timings[key] = timings.get(key, 0.0) + elapsed_since(t0)
+    """Add the block's time (:func:`start` to :func:`elapsed_since`) to ``timings[key]``; the block is the
+    range ``phase/<key>`` of a profile. A block that raises adds nothing (its step fails, and a device wait
+    could hide the error)."""
+    name = f"phase/{key}"
+    nvtx = _nvtx["on"]
+    if nvtx:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        with torch.profiler.record_function(name):
+            t0 = start()
+            yield
+            timings[key] = timings.get(key, 0.0) + elapsed_since(t0)
+    finally:
+        if nvtx:
+            torch.cuda.nvtx.range_pop()

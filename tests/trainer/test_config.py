@@ -44,6 +44,10 @@ def cfg_with(**changes):
     ({"stability__action": "halt"}, "stability.action='halt'"),
     ({"stability__patience": 0}, "stability.patience=0"),
     ({"stability__invalid_threshold": 1.0}, "stability.invalid_threshold=1.0 must be in [0, 1)"),
+    ({"trainer__profile__kind": "nvprof"}, "trainer.profile.kind='nvprof' is not valid"),
+    ({"trainer__profile__kind": "torch", "trainer__profile__start_step": 3, "trainer__profile__end_step": 2},
+     "trainer.profile.start_step=3 and end_step=2 must satisfy 0 <= start_step <= end_step"),
+    ({"trainer__profile__kind": "torch", "trainer__profile__ranks": []}, "trainer.profile.ranks=[] must list"),
 ])
 def test_rejects_with_key_and_fix(changes, needle):
     with pytest.raises(ConfigError, match=None) as e:

@@ -1,0 +1,82 @@
+"""``trainer.profile``: a range of RL steps profiled on the listed ranks (nemo_fp8rl/trainer/profiling.py;
+docs/design.md, "Profiling"). On a CPU the torch profiler runs for real; ``nsys`` needs CUDA."""
+
+import json
+
+import pytest
+import torch
+
+from nemo_fp8rl.config.schema import ConfigError, ProfileConfig, TrainConfig
+from nemo_fp8rl.trainer import RLTrainer
+from nemo_fp8rl.trainer.logger import read_metrics
+from nemo_fp8rl.trainer.profiling import StepProfiler
+
+
+def _cfg(out, steps, **profile):
+    """The fault tests' tiny FP8 run (tests/reliability/test_training_faults.py) with calibration every step, so
+    a step has every phase: rollout, weight sync, log-probs, shadow forwards, train, push forward."""
+    cfg = TrainConfig(output_dir=str(out), seed=3)
+    cfg.algorithm.prompts_per_step, cfg.algorithm.group_size, cfg.algorithm.minibatches_per_step = 4, 4, 2
+    cfg.algorithm.old_logprobs = "recompute"
+    cfg.warmup.steps, cfg.rollout.max_new_tokens = 0, 6
+    cfg.logger.tensorboard, cfg.logger.progress = False, "none"
+    cfg.fp8.recipe = "tensorwise"
+    cfg.calibration.enabled, cfg.calibration.interval, cfg.calibration.min_tokens = True, 1, 4
+    cfg.trainer.max_steps, cfg.trainer.checkpoint_interval, cfg.trainer.save_final = steps, 0, False
+    for k, v in profile.items():
+        setattr(cfg.trainer.profile, k, v)
+    return cfg
+
+
+def _fit(cfg):
+    tr = RLTrainer(cfg)
+    tr.setup()
+    tr.fit()  # closes the trainer (signal handlers, engine, logger) on every exit
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in read_metrics(cfg.output_dir)]
+
+
+PHASES = ("step", "rollout", "weight_sync", "logprobs", "shadow", "train", "push_forward")
+
+
+def test_torch_profile_names_every_phase_changes_no_metric_and_is_written_when_the_run_ends_inside_it(tmp_path):
+    """Steps 1-5 requested, the run has 3 (0-2): the profile holds steps 1 and 2, written when the trainer closes."""
+    plain = _fit(_cfg(tmp_path / "plain", 3))
+    cfg = _cfg(tmp_path / "prof", 3, kind="torch", start_step=1, end_step=5)
+    assert _fit(cfg) == plain  # the profiler observes: same seed, same metrics
+    files = sorted(p.name for p in (tmp_path / "prof" / "profile").iterdir())
+    assert files == ["rank0_steps1-2.json", "rank0_steps1-2.txt"]
+    events = json.loads((tmp_path / "prof" / "profile" / "rank0_steps1-2.json").read_text())["traceEvents"]
+    names = [e.get("name") for e in events]
+    ranges = [e["name"] for e in events if e.get("cat") == "user_annotation"]  # host-side ranges (a GPU adds
+    for phase in PHASES:  # gpu_user_annotation copies)
+        assert f"phase/{phase}" in ranges, phase
+    assert ranges.count("phase/step") == 2  # the two steps of the range the run reached, no other
+    # the phases hold the model's work: the ops of the forward and backward passes are in the trace
+    assert "aten::mm" in names or "aten::addmm" in names or "aten::matmul" in names
+    table = (tmp_path / "prof" / "profile" / "rank0_steps1-2.txt").read_text()
+    assert table.startswith("torch.profiler, rank 0, steps 1-2, sorted by self_") and "phase/" in table
+
+
+def test_a_rank_not_listed_and_a_range_not_reached_profile_nothing(tmp_path):
+    prof = StepProfiler(ProfileConfig(kind="torch", start_step=0, end_step=0, ranks=[1]), rank=0, world_size=2,
+                        out_dir=tmp_path)
+    prof.before_step(0)
+    assert not prof.active
+    prof = StepProfiler(ProfileConfig(kind="torch", start_step=5, end_step=6), rank=0, world_size=1, out_dir=tmp_path)
+    for step in range(3):
+        prof.before_step(step)
+        assert not prof.active
+        prof.after_step(step)
+    prof.stop()
+    assert not (tmp_path / "profile").exists()
+
+
+def test_ranks_outside_the_job_are_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.profile.ranks=\[0, 4\]: the job has 2 rank\(s\) .*\[4\]"):
+        StepProfiler(ProfileConfig(kind="torch", ranks=[0, 4]), rank=0, world_size=2, out_dir=tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_nsys_without_cuda_is_refused_with_the_alternative(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.profile.kind=nsys needs a CUDA GPU.*trainer.profile.kind=torch"):
+        StepProfiler(ProfileConfig(kind="nsys"), rank=0, world_size=1, out_dir=tmp_path)
