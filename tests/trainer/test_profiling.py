@@ -80,3 +80,29 @@ def test_ranks_outside_the_job_are_refused_naming_the_key(tmp_path):
 def test_nsys_without_cuda_is_refused_with_the_alternative(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.profile.kind=nsys needs a CUDA GPU.*trainer.profile.kind=torch"):
         StepProfiler(ProfileConfig(kind="nsys"), rank=0, world_size=1, out_dir=tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["torch", "nsys"])
+def test_on_cuda_the_profile_holds_the_phase_and_its_kernels(tmp_path, kind):
+    """torch: the trace has the phase as a host range and on the GPU, and the matmul's CUDA kernel; nsys:
+    cudaProfilerStart/Stop and the NVTX range run (without nsys attached they record nothing)."""
+    from nemo_fp8rl.trainer import timing
+
+    prof = StepProfiler(ProfileConfig(kind=kind, start_step=0, end_step=0), rank=0, world_size=1, out_dir=tmp_path)
+    a = torch.randn(1024, 1024, device="cuda")
+    prof.before_step(0)
+    assert prof.active
+    timings: dict = {}
+    with timing.timed(timings, "train"):
+        (a @ a).sum()
+    prof.after_step(0)
+    assert not prof.active and timings["train"] > 0
+    if kind == "nsys":
+        assert not (tmp_path / "profile").exists()
+        return
+    events = json.loads((tmp_path / "profile" / "rank0_steps0-0.json").read_text())["traceEvents"]
+    cats = {(e.get("cat"), e.get("name")) for e in events}
+    assert ("user_annotation", "phase/train") in cats and ("gpu_user_annotation", "phase/train") in cats, cats
+    assert any(c == "kernel" for c, _ in cats), cats
+    assert "sorted by self_cuda_time_total" in (tmp_path / "profile" / "rank0_steps0-0.txt").read_text()
