@@ -93,3 +93,20 @@ def train_in_process(out: Path, *overrides: str) -> dict:
     finally:
         GlobalHydra.instance().clear()
         torch.set_num_threads(threads)
+
+
+def every_phase_config(out: Path, max_steps: int):
+    """An in-process tiny FP8 run (``TrainConfig``: 4 prompts x 4 responses of up to 6 tokens, tensorwise, no
+    warm-up, no checkpoint) whose every step has every phase: the weight sync and rollout, recomputed old
+    log-probs, calibration's shadow forwards and push forward (calibration every step), the updates."""
+    from nemo_fp8rl.config.schema import TrainConfig
+
+    cfg = TrainConfig(output_dir=str(out), seed=3)
+    cfg.algorithm.prompts_per_step, cfg.algorithm.group_size, cfg.algorithm.minibatches_per_step = 4, 4, 2
+    cfg.algorithm.old_logprobs = "recompute"
+    cfg.warmup.steps, cfg.rollout.max_new_tokens = 0, 6
+    cfg.logger.tensorboard, cfg.logger.progress = False, "none"
+    cfg.fp8.recipe = "tensorwise"
+    cfg.calibration.enabled, cfg.calibration.interval, cfg.calibration.min_tokens = True, 1, 4
+    cfg.trainer.max_steps, cfg.trainer.checkpoint_interval, cfg.trainer.save_final = max_steps, 0, False
+    return cfg

@@ -6,23 +6,16 @@ import json
 import pytest
 import torch
 
-from nemo_fp8rl.config.schema import ConfigError, ProfileConfig, TrainConfig
+from nemo_fp8rl.config.schema import ConfigError, ProfileConfig
 from nemo_fp8rl.trainer import RLTrainer
 from nemo_fp8rl.trainer.logger import read_metrics
 from nemo_fp8rl.trainer.profiling import StepProfiler
 
+from ._cli import every_phase_config, strip_timing
+
 
 def _cfg(out, steps, **profile):
-    """The fault tests' tiny FP8 run (tests/reliability/test_training_faults.py) with calibration every step, so
-    a step has every phase: rollout, weight sync, log-probs, shadow forwards, train, push forward."""
-    cfg = TrainConfig(output_dir=str(out), seed=3)
-    cfg.algorithm.prompts_per_step, cfg.algorithm.group_size, cfg.algorithm.minibatches_per_step = 4, 4, 2
-    cfg.algorithm.old_logprobs = "recompute"
-    cfg.warmup.steps, cfg.rollout.max_new_tokens = 0, 6
-    cfg.logger.tensorboard, cfg.logger.progress = False, "none"
-    cfg.fp8.recipe = "tensorwise"
-    cfg.calibration.enabled, cfg.calibration.interval, cfg.calibration.min_tokens = True, 1, 4
-    cfg.trainer.max_steps, cfg.trainer.checkpoint_interval, cfg.trainer.save_final = steps, 0, False
+    cfg = every_phase_config(out, steps)
     for k, v in profile.items():
         setattr(cfg.trainer.profile, k, v)
     return cfg
@@ -32,7 +25,7 @@ def _fit(cfg):
     tr = RLTrainer(cfg)
     tr.setup()
     tr.fit()  # closes the trainer (signal handlers, engine, logger) on every exit
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in read_metrics(cfg.output_dir)]
+    return strip_timing(read_metrics(cfg.output_dir))
 
 
 PHASES = ("step", "rollout", "weight_sync", "logprobs", "shadow", "train", "push_forward")

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
-from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.trainer import RLTrainer, timing
+
+from ._cli import every_phase_config
 
 
 class _Device:
@@ -79,13 +80,7 @@ def test_every_timing_metric_of_a_step_is_measured_between_device_waits(tmp_path
     log-probs) on a modelled GPU whose clock moves only when the host waits for the device, by exactly one
     second per wait. A phase timed between device waits reads a whole number of waits; a phase timed from
     the raw host clock would read a fraction (or nothing)."""
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), seed=3)
-    cfg.algorithm.prompts_per_step, cfg.algorithm.group_size, cfg.algorithm.minibatches_per_step = 4, 4, 2
-    cfg.algorithm.old_logprobs = "recompute"
-    cfg.warmup.steps, cfg.rollout.max_new_tokens = 0, 6
-    cfg.logger.tensorboard, cfg.logger.progress = False, "none"
-    cfg.fp8.recipe = "tensorwise"
-    cfg.calibration.enabled, cfg.calibration.interval, cfg.calibration.min_tokens = True, 1, 4
+    cfg = every_phase_config(tmp_path / "run", 1)
     tr = RLTrainer(cfg)
     tr.setup()
     waits = {"n": 0}
