@@ -2,9 +2,9 @@
 train, shadow, push_forward).
 
 A CUDA stream runs its kernels after the host has queued them, so a host clock read right after a phase
-measures what the phase launched, not what it ran: an unsynchronized log-prob forward on a GPU reads a few
-milliseconds, and its kernels' time then lands in whichever later phase first waits for the device (the
-train phase's first ``.item()``). Each timer therefore waits for the device at both ends
+measures what the phase launched, not what it ran: an unsynchronized log-prob forward on a GPU can read
+little more than its launch time, and its kernels' time then lands in whichever later phase first waits for
+the device (the train phase's first ``.item()``). Each timer therefore waits for the device at both ends
 (``torch.cuda.synchronize()``), as Megatron's timers do, so a phase's time is the time until its work is
 done and nothing queued before it is counted. That costs one wait per phase boundary, a handful per step
 of seconds. Without CUDA in use (CPU runs, and GPU hosts where this process never touched CUDA) there is
