@@ -90,7 +90,6 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,6 +128,7 @@ from nemo_fp8rl.rollout.vllm_support import (
     scheme_name,
 )
 from nemo_fp8rl.rollout.vllm_sync import iter_weight_buckets, sync_stream
+from nemo_fp8rl.trainer import timing
 
 __all__ = ["BLOCK_FP8_QUANTIZATION_CONFIG", "VllmEngine"]
 
@@ -377,7 +377,7 @@ class VllmEngine:
         if self.llm is None:
             raise RuntimeError("the rollout engine was closed")
         counter: dict[str, float] = {"bytes": 0.0}
-        t0 = time.perf_counter()
+        t0 = timing.start()  # waits for the GPU at both ends, as the trainer's phase timers do
         # a bad dict raises here, before anything changes
         stream = sync_stream(self.shape, weights, vocab_size=self.model_cfg.vocab_size, tied=self._tied,
                              block_fp8=self.scheme_name == "vllm_block", device=self.device,
@@ -409,7 +409,7 @@ class VllmEngine:
         if kv_scales is not None and self._kv_scales is not None:
             self._kv_scales = kv_scales
         self._apply_kv_scales()  # a reload leaves vLLM's scale buffers at 1.0 (or stale): write ours
-        self.last_sync_seconds = time.perf_counter() - t0
+        self.last_sync_seconds = timing.elapsed_since(t0)
         self.weights_version += 1
         return {"seconds": self.last_sync_seconds, "bytes": counter["bytes"]}
 
