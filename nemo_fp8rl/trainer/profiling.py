@@ -86,7 +86,7 @@ class StepProfiler:
             self._prof.__enter__()
         else:
             timing.device_sync()
-            torch.cuda.cudart().cudaProfilerStart()
+            torch.cuda.profiler.start()  # cudaProfilerStart, its error checked
             timing.set_nvtx(True)
             self._nsys_on = True
         logger.info("profile (%s): rank %d from step %d to step %d", self.cfg.kind, self.rank, step, self.cfg.end_step)
@@ -103,7 +103,7 @@ class StepProfiler:
         if self._nsys_on:
             timing.device_sync()
             timing.set_nvtx(False)
-            torch.cuda.cudart().cudaProfilerStop()
+            torch.cuda.profiler.stop()  # cudaProfilerStop
             self._nsys_on = False
             logger.info("profile (nsys): rank %d stopped after step %s (cudaProfilerStop)", self.rank, self._last)
         if self._prof is None:
