@@ -373,7 +373,8 @@ class ProfileConfig:
     """First profiled RL step (0-based, the ``step`` of metrics.jsonl). Step 0 compiles and warms up the
     kernels, so the default starts after it."""
     end_step: int = 1
-    """Last profiled RL step (inclusive)."""
+    """Last profiled RL step (inclusive). Keep the range to a few steps: ``kind=torch`` holds every op and
+    kernel of the range in host memory until it writes the trace (a tiny CPU step: ~10 MB of trace)."""
     ranks: List[int] = field(default_factory=lambda: [0])
     """Global ranks that profile (each writes its own files)."""
     record_shapes: bool = False
