@@ -40,6 +40,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_fp8rl.models.parallel import comm_device
+
 LOCAL_FORMAT = "nemo_fp8rl.actor.sharded/1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -96,12 +98,12 @@ def _adam_step(actor) -> Optional[int]:
         raise RuntimeError(f"optimizer parameters have different step counts {sorted(steps)}; cannot checkpoint")
     if steps:
         if dist.is_initialized() and dist.get_world_size() > 1:  # ranks without state (tiny DP shards)
-            t = torch.tensor([max(steps)], dtype=torch.float64)
+            t = torch.tensor([max(steps)], dtype=torch.float64, device=comm_device())  # NCCL: not on the CPU
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             return int(t.item())
         return steps.pop()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([-1.0], dtype=torch.float64)
+        t = torch.tensor([-1.0], dtype=torch.float64, device=comm_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return None if t.item() < 0 else int(t.item())
     return None

@@ -50,6 +50,7 @@ from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.fp8 import collect_fp8_stats
 from nemo_fp8rl.fp8 import fused
 from nemo_fp8rl.fp8.recipes import build_fp8_recipe, resolve_auto_recipe
+from nemo_fp8rl.models.parallel import comm_device
 from nemo_fp8rl.trainer.calibration_pass import make_calibration_pass
 from nemo_fp8rl.rollout.fp8_setup import rollout_fp8_setup
 from nemo_fp8rl.trainer.checkpoint import CheckpointManager
@@ -272,8 +273,6 @@ class RLTrainer:
             except Exception as e:  # noqa: BLE001  (any error reaches every rank: none waits in the broadcast)
                 answer[1] = e
         if dist.is_initialized() and dist.get_world_size() > 1:
-            from nemo_fp8rl.models.parallel import comm_device
-
             dist.broadcast_object_list(answer, src=0, device=comm_device())
         self._start_decided = True
         self._resume_step, err = answer
@@ -807,10 +806,12 @@ class RLTrainer:
 
 
 def _should_stop(sig: Optional[int]) -> bool:
-    """All ranks agree to stop if any rank received the signal."""
-    flag = torch.tensor([1.0 if sig is not None else 0.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    """All ranks agree to stop if any rank received the signal (one MAX all-reduce, on the device the
+    default backend needs: NCCL refuses CPU tensors)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return sig is not None
+    flag = torch.tensor([1.0 if sig is not None else 0.0], device=comm_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
 
 
