@@ -592,6 +592,9 @@ class KvQuant:
     kernel: str
     scales: KvScales
     high_precision_layers: frozenset[int] = frozenset()
+    _on_device: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """device -> (the KvScales uploaded, its [3, L] float32 table there) (:meth:`scale_tensors`), and "host" ->
+    (the KvScales read, its per-layer float triples) (:meth:`layer_scales`)."""
 
     def __post_init__(self) -> None:
         get_format(self.fmt)
@@ -604,13 +607,46 @@ class KvQuant:
         return get_format(self.fmt).dtype
 
     def layer_scales(self, i: int) -> tuple[float, float, float] | None:
-        """``(q_scale, k_scale, v_scale)`` of layer ``i``, or None when its cache is not quantized."""
-        return None if i in self.high_precision_layers else self.scales.layer(i)
+        """``(q_scale, k_scale, v_scale)`` of layer ``i`` as Python floats (the Triton decode kernel's
+        arguments), or None when its cache is not quantized. Read from the scales once per set of scales (a
+        ``float`` of a tensor element per layer and token would cost host time at every decode step)."""
+        if i in self.high_precision_layers:
+            return None
+        hit = self._on_device.get("host")
+        if hit is None or hit[0] is not self.scales:
+            floats = list(zip(self.scales.q.tolist(), self.scales.k.tolist(), self.scales.v.tolist()))
+            hit = self._on_device["host"] = (self.scales, floats)
+        return hit[1][i]
+
+    def scale_tensors(self, i: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(q_scale, k_scale, v_scale)`` of layer ``i`` as float32 0-d tensors on ``device`` (views of one
+        [3, L] table uploaded once per device and set of scales), or None when its cache is not quantized.
+
+        What the quantize/dequantize ops take on every decode step: on a GPU a Python float given to an op
+        is uploaded each time (a blocking copy: a stream sync per layer and token, and an error inside a CUDA
+        graph capture), and ATen's CUDA division by a Python scalar multiplies by its float32 reciprocal,
+        not vLLM's ``x / s``. The values are the floats of :meth:`layer_scales`."""
+        if i in self.high_precision_layers:
+            return None
+        t = self.scale_table(device)
+        return t[0, i], t[1, i], t[2, i]
+
+    def scale_table(self, device: torch.device) -> torch.Tensor:
+        """The q/k/v scales of every layer, [3, L] float32 on ``device``: uploaded at the first call per device
+        and set of scales (:meth:`scale_tensors`)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # one key for "cuda" and the tensors' "cuda:<i>"
+            device = torch.device("cuda", torch.cuda.current_device())
+        hit = self._on_device.get(device)
+        if hit is None or hit[0] is not self.scales:  # set_kv_scales replaces the KvScales object
+            table = torch.stack([self.scales.q, self.scales.k, self.scales.v]).to(device=device, dtype=torch.float32)
+            hit = self._on_device[device] = (self.scales, table)
+        return hit[1]
 
     def query(self, i: int, q: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s query as the attention sees it: quantized and read back (float32) where vLLM does
         (``cuda`` kernel, E4M3 cache, a quantized layer), else unchanged."""
-        sc = self.layer_scales(i)
+        sc = self.scale_tensors(i, q.device)
         if sc is None:
             return q
         return fake_quantize_query(q, sc[0]) if self.quantize_query else q.float()
@@ -619,7 +655,7 @@ class KvQuant:
         """Layer ``i``'s (query, keys, values) as the attention sees them with an FP8 cache: the float32
         read-back values (the query quantized only with the ``cuda`` kernel, E4M3); unchanged for a
         high-precision layer."""
-        sc = self.layer_scales(i)
+        sc = self.scale_tensors(i, k.device)
         if sc is None:
             return q, k, v
         _, ks, vs = sc
@@ -648,6 +684,8 @@ class KVCache:
         def dt(i: int) -> torch.dtype:
             return torch.uint8 if kv is not None and kv.layer_scales(i) is not None else dtype
 
+        if kv is not None:  # upload the scales now, before any decode step (or CUDA graph capture) needs them
+            kv.scale_table(device)
         return cls(
             k=[torch.zeros(dims, device=device, dtype=dt(i)) for i in range(shape.num_layers)],
             v=[torch.zeros(dims, device=device, dtype=dt(i)) for i in range(shape.num_layers)],
@@ -656,7 +694,7 @@ class KVCache:
 
     def write(self, i: int, index: Any, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store layer ``i``'s keys and values at ``index`` of its [B, G, S, hd] tensors (FP8 codes when quantized)."""
-        sc = None if self.kv is None else self.kv.layer_scales(i)
+        sc = None if self.kv is None else self.kv.scale_tensors(i, self.k[i].device)
         if sc is not None:
             _, ks, vs = sc
             k = quantize_kv(k, ks, self.kv.fmt, self.kv.kernel).view(torch.uint8)
@@ -668,7 +706,7 @@ class KVCache:
         """Layer ``i``'s keys and values at positions [0, length): [B, G, length, hd], float32 read-back
         values (``float32(q8) * s``) for a quantized layer, else the stored tensors."""
         k, v = self.k[i][:, :, :length], self.v[i][:, :, :length]
-        sc = None if self.kv is None else self.kv.layer_scales(i)
+        sc = None if self.kv is None else self.kv.scale_tensors(i, k.device)
         if sc is None:
             return k, v
         _, ks, vs = sc

@@ -172,17 +172,19 @@ def _recording_static(monkeypatch) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme,dtype", [("off", torch.float32), ("vllm_w8a8", torch.bfloat16)])
-def test_cuda_graph_decode_captures_and_matches_the_engine(small_buckets, monkeypatch, scheme, dtype):
+@pytest.mark.parametrize("scheme,dtype,kv_cache", [("off", torch.float32, "off"), ("vllm_w8a8", torch.bfloat16, "off"),
+                                                   ("vllm_w8a8", torch.bfloat16, "e4m3")])
+def test_cuda_graph_decode_captures_and_matches_the_engine(small_buckets, monkeypatch, scheme, dtype, kv_cache):
     """On CUDA the steps are captured (no fallback; BF16 with FP8 linears on torch's scaled GEMM and the Triton
-    activation quantizers too) and replay the engine's own log-probs; float32 without FP8 gives the eager batch."""
+    activation quantizers too, and with an FP8 KV cache: its scales are device tensors uploaded before the
+    capture) and replay the engine's own log-probs; float32 without FP8 gives the eager batch."""
     eos = _spread_eos()
     cfg = ModelConfig(name="qwen2", **CONFIGS["qwen2"])
     sd = random_hf_weights(cfg, seed=4, logit_scale=4.0)
 
     def engine(graphs):
         e = get_rollout_engine("torch", cfg, fp8_scheme=scheme, eos_id=eos, pad_id=0, device="cuda", dtype=dtype,
-                               fp8_gemm="torch", cuda_graphs=graphs)
+                               fp8_gemm="torch", cuda_graphs=graphs, kv_cache=kv_cache)
         e.update_weights(sd)
         return e
 

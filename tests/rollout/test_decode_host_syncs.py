@@ -1,8 +1,8 @@
 """Decode without a host sync per token (issue 39: ``tok.cpu()`` and ``int(positions.max())`` every step).
 
 A CPU has no host/device split, so the syncs are counted: every call that would wait for a GPU (``.cpu()``,
-``.item()``, ``.tolist()``, ``bool``/``int``/``float`` of a tensor, ``nonzero``) made while ``generate``
-runs is recorded by a torch-function mode. With a stop check every k steps they grow as N / k, not N.
+``.item()``, ``.tolist()``, ``bool``/``int``/``float`` of a tensor, ``nonzero``, a tensor made from host data
+such as a Python float scale) made while ``generate`` runs is recorded by a torch-function mode. With a stop check every k steps they grow as N / k, not N.
 The checked batch is the same as the batch checked every step wherever sampling draws no noise (greedy; the
 log-probs to float rounding, as the GEMMs see other batch sizes), and with sampling every recorded log-prob
 is still the engine's own (teacher-forced) one.
@@ -21,6 +21,8 @@ from nemo_fp8rl.rollout.torch_engine import TorchRolloutEngine, sampling_generat
 from tests.rollout.conftest import CONFIGS, check_rows_end_at_eos, random_hf_weights
 
 _SYNCS = {"cpu", "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+_UPLOADS = {"tensor", "as_tensor"}
+"""Tensors made from host data (a Python float scale, a list): on a GPU each is a copy that waits for it."""
 
 
 class _CountSyncs(TorchFunctionMode):
@@ -32,6 +34,8 @@ class _CountSyncs(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _SYNCS:
             self.calls.append(name)
+        elif name in _UPLOADS and args and not isinstance(args[0], torch.Tensor):
+            self.calls.append(f"{name}(host data)")  # on a GPU: a blocking copy to the device
         return func(*args, **(kwargs or {}))
 
 
@@ -61,6 +65,23 @@ def test_decode_syncs_grow_with_steps_over_k_not_with_steps():
     assert long - short <= 2 * (24 // 8)  # at most a check (any + its row selection) every 8 steps
     every = _engine(k=1, eos=999 % 16)
     assert _syncs(every, 24) - _syncs(every, 4) >= 20 - 2  # k=1: one check per step (the CPU default)
+
+
+@pytest.mark.parametrize("kv_kernel", ["cuda", "cpu"])
+@pytest.mark.parametrize("high_precision", [(), (0,)], ids=["all_fp8", "layer0_bf16"])
+def test_fp8_kv_cache_decode_uploads_no_scale_per_step(kv_kernel, high_precision):
+    """An FP8 KV cache's per-layer scales reach the quantize/dequantize ops as device tensors uploaded once,
+    not as Python floats (one blocking upload per layer and token on a GPU, which also fails a CUDA graph
+    capture); the decode's syncs stay constant in the number of steps."""
+    eng = _engine(k=8, eos=999 % 16, kv_cache="e4m3", kv_kernel=kv_kernel)
+    eng.kv.high_precision_layers = frozenset(high_precision)
+    c4, c24 = _CountSyncs(), _CountSyncs()
+    eng.generate(PROMPTS, SamplingParams(max_new_tokens=2), torch.Generator().manual_seed(0))  # scales uploaded
+    for c, n in ((c4, 4), (c24, 24)):
+        with c:
+            eng.generate(PROMPTS, SamplingParams(max_new_tokens=n, stop_on_eos=False, temperature=1.0),
+                         torch.Generator().manual_seed(0))
+    assert c24.calls == c4.calls, sorted(set(c24.calls) - set(c4.calls)) or len(c24.calls) - len(c4.calls)
 
 
 def test_default_interval_is_1_on_cpu_and_8_on_gpu():
