@@ -66,6 +66,17 @@ def cast_to_fp8(x: torch.Tensor, fmt: "str | Fp8Format") -> torch.Tensor:
     return torch.clamp(x.float(), -f.max, f.max).to(f.dtype)
 
 
+def divide_exact(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x / c`` rounded as one IEEE division on every device (x any shape and float dtype; x's shape and dtype).
+
+    ATen's CUDA kernel divides a tensor by a Python scalar as a multiplication by the scalar's reciprocal
+    rounded to x's dtype: ``amax * fp32(1/448)`` differs from ``amax / 448`` in the last bit for about half
+    of the float32 values, while the CPU kernel and vLLM's GPU kernels divide. Dividing by a 0-d tensor on
+    x's device takes the division kernel on both (made on the device: no upload, no host sync).
+    """
+    return x / torch.full((), c, dtype=x.dtype, device=x.device)
+
+
 def round_to_fp8(x: torch.Tensor, fmt: "str | Fp8Format") -> torch.Tensor:
     """``float32(cast_to_fp8(x))``: the FP8 grid value nearest to x (saturated), as float32."""
     return cast_to_fp8(x, fmt).float()

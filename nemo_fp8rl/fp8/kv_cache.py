@@ -77,7 +77,7 @@ from typing import Sequence, Union
 
 import torch
 
-from nemo_fp8rl.fp8.formats import E4M3, Fp8Format, get_format
+from nemo_fp8rl.fp8.formats import E4M3, Fp8Format, divide_exact, get_format
 
 __all__ = [
     "KV_CACHE_FORMATS",
@@ -227,7 +227,7 @@ def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", margin: float = 1.05)
     """
     f = get_format(fmt)
     a = amax.double()
-    s = (a * float(margin) / f.max).float()
+    s = divide_exact(a * float(margin), f.max).float()  # a true division on a GPU too
     ok = torch.isfinite(a) & (a > 0)
     return torch.where(ok, s, torch.ones_like(s))
 

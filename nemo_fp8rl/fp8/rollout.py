@@ -38,7 +38,7 @@ import torch
 
 from nemo_fp8rl.fp8 import fused, kernels
 from nemo_fp8rl.fp8.backends import QuantizedOperand, torch_gemm_support
-from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8
+from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8, divide_exact
 from nemo_fp8rl.fp8.kernels import kernel_unavailable
 from nemo_fp8rl.fp8.quantize import _blocks_1d, _blocks_2d, _unblocks_2d, fake_quantize
 from nemo_fp8rl.fp8.recipes import Fp8Recipe, get_recipe
@@ -65,7 +65,7 @@ def _divide_quant(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def _token_scales(xf: torch.Tensor) -> torch.Tensor:
     """vLLM's per-token scales: ``max(amax(x_row) / 448, 1 / (448 * 512))``, [..., 1] float32."""
-    return (xf.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=_VLLM_MIN_SCALE)
+    return divide_exact(xf.abs().amax(dim=-1, keepdim=True), 448.0).clamp(min=_VLLM_MIN_SCALE)
 
 
 def _token_fake(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ def _token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _group_scales(groups: torch.Tensor) -> torch.Tensor:
     """vLLM's 1xB group scales: ``max(amax, 1e-10) / 448``, [..., n_groups, 1] float32."""
-    return groups.abs().amax(dim=-1, keepdim=True).clamp(min=_BLOCK_EPS) / 448.0
+    return divide_exact(groups.abs().amax(dim=-1, keepdim=True).clamp(min=_BLOCK_EPS), 448.0)
 
 
 def _group_fake(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -130,7 +130,7 @@ def _per_tensor_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     writes 448 with s = 0; both read back 0).
     """
     wf = w.float()
-    s = wf.abs().amax() / 448.0
+    s = divide_exact(wf.abs().amax(), 448.0)  # the CUDA kernel divides, as the CPU one
     s = torch.where(s > 0, s, torch.ones_like(s))
     return cast_to_fp8(wf * (1.0 / s), E4M3), s
 
@@ -204,7 +204,7 @@ class VllmBlock(RolloutScheme):
         """Per tile: ``s = amax(tile)/448``; W [N, K] -> [N, K]."""
         wf = w.float()
         tiles = _blocks_2d(wf, self.block, self.block)
-        s = tiles.abs().amax(dim=(-2, -1), keepdim=True) / 448.0
+        s = divide_exact(tiles.abs().amax(dim=(-2, -1), keepdim=True), 448.0)
         s = torch.where(s > 0, s, torch.ones_like(s))
         return _unblocks_2d(_divide_quant(tiles, s), *wf.shape)
 
@@ -219,7 +219,7 @@ class VllmBlock(RolloutScheme):
         """W [N, K] (multiples of the block) -> E4M3 data [N, K] and tile scales [N/B, K/B]."""
         wf = w.float()
         tiles = _blocks_2d(wf, self.block, self.block)
-        s = tiles.abs().amax(dim=(-2, -1), keepdim=True) / 448.0
+        s = divide_exact(tiles.abs().amax(dim=(-2, -1), keepdim=True), 448.0)
         s = torch.where(s > 0, s, torch.ones_like(s))
         data = _unblocks_2d(cast_to_fp8(tiles / s, E4M3), *wf.shape)
         return QuantizedOperand(data.contiguous(), s[..., 0, 0].contiguous(), (self.block, self.block))

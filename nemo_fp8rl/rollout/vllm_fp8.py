@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8
+from nemo_fp8rl.fp8.formats import E4M3, cast_to_fp8, divide_exact
 from nemo_fp8rl.fp8.quantize import _blocks_2d, _unblocks_2d
 
 __all__ = [
@@ -49,7 +49,7 @@ def vllm_block_fp8_weight(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Te
         raise ValueError(f"vllm_block_fp8_weight expects a 2-D weight [N, K], got shape {tuple(w.shape)}")
     wf = w.float()
     tiles = _blocks_2d(wf, block, block)  # [R, C, b, b]
-    s = tiles.abs().amax(dim=(-2, -1), keepdim=True) / 448.0
+    s = divide_exact(tiles.abs().amax(dim=(-2, -1), keepdim=True), 448.0)
     s = torch.where(s > 0, s, torch.ones_like(s))
     q = cast_to_fp8(tiles / s, E4M3)
     # un-tile in float32 (padding and permutes are not implemented for float8 on every torch build)

@@ -171,3 +171,39 @@ def test_unknown_granularity_and_format():
         quantize(torch.randn(4), "e3m4")
     with pytest.raises(ValueError, match="2-D"):
         quantize(torch.randn(2, 2, 2), E4M3, (128, 128))
+
+
+def _amaxes(n: int = 4096) -> torch.Tensor:
+    """float32 values spread over many binades, as weight and activation amaxes are (seeded)."""
+    g = torch.Generator().manual_seed(3)
+    return torch.rand(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+
+
+def test_divide_exact_is_the_correctly_rounded_quotient():
+    """``divide_exact(x, 448)`` is float32(x / 448) correctly rounded (the float64 quotient rounded once: exact
+    for float32 operands), which a multiplication by float32(1/448), what ATen's CUDA kernel does with a
+    Python scalar, is not for many of the values."""
+    from nemo_fp8rl.fp8.formats import divide_exact
+
+    x = _amaxes()
+    for c in (448.0, 57344.0, 3.0):
+        want = (x.double() / c).float()
+        assert torch.equal(divide_exact(x, c), want)
+    assert (x * torch.tensor(1 / 448.0) != (x.double() / 448.0).float()).float().mean() > 0.2
+    assert divide_exact(x.bfloat16(), 448.0).dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_divide_exact_on_cuda_equals_the_cpu_quotient():
+    """On CUDA too: the rollout's weight and activation scales (``amax / 448``) equal the CPU's and vLLM's."""
+    from nemo_fp8rl.fp8.formats import divide_exact
+    from nemo_fp8rl.fp8.rollout import VllmBlock, _per_tensor_weight
+
+    x = _amaxes()
+    assert torch.equal(divide_exact(x.cuda(), 448.0).cpu(), divide_exact(x, 448.0))
+    w = (torch.randn(256, 384, generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16()
+    (q_gpu, s_gpu), (q_cpu, s_cpu) = _per_tensor_weight(w.cuda()), _per_tensor_weight(w)
+    assert torch.equal(s_gpu.cpu(), s_cpu) and torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+    b_gpu, b_cpu = VllmBlock().weight_fp8(w.cuda()), VllmBlock().weight_fp8(w)
+    assert torch.equal(b_gpu.scale_inv.cpu(), b_cpu.scale_inv)
+    assert torch.equal(b_gpu.data.cpu().view(torch.uint8), b_cpu.data.view(torch.uint8))
