@@ -786,18 +786,37 @@ copies of K and V that ``repeat_interleave`` writes at every layer and decode st
 bit on CPU (tests/rollout/test_decode_host_syncs.py)."""
 
 
+def _sdpa_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether :func:`_attend` passes ``enable_gqa`` for query ``q`` (and ``mask``) rather than repeating K/V.
+
+    On CUDA only FlashAttention takes grouped KV heads, and it takes neither an ``attn_mask`` nor float32:
+    a masked decode step or the float32 attention of an FP8 KV cache's read-back would fall to SDPA's math
+    kernel, which materializes the [B, H, Tq, S] float32 scores (tens of GiB for a prefill of 512 x 1024
+    tokens). Repeated K/V keep those on the memory-efficient kernel. The CPU kernels take grouped heads
+    with a mask and in float32."""
+    if not _SDPA_GQA:
+        return False
+    if q.device.type != "cuda":
+        return True
+    return mask is None and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def _attend(shape: ModelShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
     """softmax(q k^T / sqrt(hd) + mask) v with grouped KV heads; causal when ``mask`` is None.
 
     Shapes: q [B, H, Tq, hd]; k, v [B, G, S, hd]; mask bool [B, 1, Tq, S] (True = attend) -> [B, Tq, H*hd].
-    SDPA's ``enable_gqa`` where torch has it, else K and V repeated per query head (``repeat_interleave``).
+    SDPA's ``enable_gqa`` where a fused kernel takes it (:func:`_sdpa_gqa`), else K and V repeated per query
+    head (query head j reads KV head j // (H / G), as ``repeat_interleave`` orders them).
     """
     rep = shape.num_heads // shape.num_groups
     kw = {}
-    if rep > 1 and _SDPA_GQA:
+    if rep > 1 and _sdpa_gqa(q, mask):
         kw["enable_gqa"] = True
     elif rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        B, G, S, hd = k.shape
+        # a broadcast view copied once: no repeat count tensor (no upload; CUDA graph safe)
+        k = k[:, :, None].expand(B, G, rep, S, hd).reshape(B, G * rep, S, hd)
+        v = v[:, :, None].expand(B, G, rep, S, hd).reshape(B, G * rep, S, hd)
     if mask is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     else:

@@ -154,6 +154,53 @@ def test_sdpa_gqa_equals_repeated_kv(name, monkeypatch):
     assert torch.equal(rollout_model._attend(shape, q, k, v, mask), ref)
 
 
+_GQA_CASES = [(torch.bfloat16, False, True), (torch.bfloat16, True, False), (torch.float32, False, False),
+              (torch.float32, True, False)]
+"""(dtype, masked, enable_gqa on CUDA): FlashAttention, the only CUDA kernel with grouped KV heads, takes
+neither a mask nor float32."""
+
+
+@pytest.mark.parametrize("dtype,masked,gqa", _GQA_CASES)
+def test_cuda_attention_repeats_kv_where_flash_cannot_run(dtype, masked, gqa):
+    """On CUDA ``enable_gqa`` only for an unmasked half-precision attention, else K and V repeated (CUDA
+    tensors made as fake tensors on the CPU); on the CPU always (its kernels take grouped heads)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 3, 8, dtype=dtype, device="cuda")
+        mask = torch.ones(2, 1, 3, 3, dtype=torch.bool, device="cuda") if masked else None
+        assert rollout_model._sdpa_gqa(q, mask) is gqa
+    cpu_mask = torch.ones(2, 1, 3, 3, dtype=torch.bool) if masked else None
+    assert rollout_model._sdpa_gqa(torch.empty(2, 4, 3, 8, dtype=dtype), cpu_mask) is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,masked,gqa", _GQA_CASES)
+def test_cuda_attention_needs_no_math_kernel(dtype, masked, gqa):
+    """Every attention the engine runs on CUDA (prefill, masked decode, an FP8 KV cache's float32 read-back)
+    has a fused SDPA kernel: with the math kernel (the [B, H, Tq, S] scores in memory) switched off it runs,
+    and equals the repeated-K/V reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape = rollout_model.ModelShape.from_config(  # Qwen3-8B's attention: 32 query heads, 8 KV heads of 128
+        ModelConfig(name="qwen3_8b_widths", vocab_size=16, num_layers=1, hidden_size=4096, num_attention_heads=32,
+                    num_query_groups=8, kv_channels=128, ffn_hidden_size=128, qk_layernorm=True))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tq, s = (1, 300) if masked else (300, 300)
+    q = torch.randn(4, 32, tq, 128, generator=g, device="cuda").to(dtype)
+    k, v = (torch.randn(4, 8, s, 128, generator=g, device="cuda").to(dtype) for _ in range(2))
+    mask = torch.rand(4, 1, tq, s, generator=g, device="cuda") > 0.3 if masked else None
+    if mask is not None:
+        mask[..., 0] = True
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        got = rollout_model._attend(shape, q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1), attn_mask=mask,
+        is_causal=mask is None).transpose(1, 2).reshape(4, tq, -1)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
 def test_sampling_generator_keeps_a_generator_on_the_engines_device():
     g = torch.Generator().manual_seed(5)
     state = g.get_state()
