@@ -734,9 +734,12 @@ class KVCache:
         return o.reshape(q.shape[0], 1, -1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (LongTensor [B']) - used when sequences finish."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
+        """Keep only batch rows ``rows`` (LongTensor [B']) - used when sequences finish. One layer at a time,
+        each old tensor freed as its copy replaces it: the peak is the cache plus one layer's rows, not two
+        caches."""
+        for i in range(len(self.k)):
+            self.k[i] = self.k[i].index_select(0, rows)
+            self.v[i] = self.v[i].index_select(0, rows)
 
 
 def _linear(scheme: Any, x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
