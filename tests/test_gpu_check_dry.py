@@ -1,8 +1,10 @@
 """benchmarks/gpu/run.sh --dry-run runs every part of the GPU check on CPU tensors with tiny shapes (the
 H200 run itself needs a lent GPU), as documented (no PYTHON: the checkout's .venv); the runner keeps
 partial results of a part it had to kill; one budget table (runner.PARTS) gives run.sh its default and
-sums to it; the throughput part survives a raising recipe; prepare.sh ships nothing the H200 image has;
-the summary renders a GPU run's tables."""
+sums to it; the throughput part survives a raising recipe and estimates per label; parity runs its new
+checks first and skips the recipes it has no time for; pytest_gpu names its tests when it is cut short; grpo
+gives the FP8 arm the larger share and fails when a requested CUDA graph was not captured; prepare.sh ships
+nothing the H200 image has; the summary renders a GPU run's tables."""
 
 import importlib.util
 import json
@@ -71,6 +73,12 @@ def test_dry_run_runs_every_part(tmp_path):
     assert set(env["torch_gemm_support"]["tensorwise"].values()) == {"torch"}
     assert all(v != "torch" for v in env["torch_gemm_support"]["blockwise"].values())
 
+    # the rollout weight quantizers' code path (CPU against CPU here), at a shape that is and one that is not
+    # a multiple of the 128-tiles
+    rw = results["parity"]["rollout_weights"]
+    assert rw and all(ok is True for ok in rw.values()), rw
+    assert {k.split("@")[1] for k in rw} == {"768x1000", "256x384"} and "vllm_block_sync@768x1000" in rw
+    assert results["parity"]["skipped_recipes"] == [] and "Rollout weight quantizers" in summary_md
     parity = results["parity"]["recipes"]
     assert list(parity) == ["delayed", "tensorwise", "rowwise", "blockwise", "blockwise_hybrid", "mxfp8"]
     for label, row in parity.items():
@@ -86,6 +94,10 @@ def test_dry_run_runs_every_part(tmp_path):
             assert all(row[g]["max_abs_torch_minus_emulate"] == 0.0 for g in ("forward", "dgrad", "wgrad"))
 
     thr = results["throughput"]
+    # timed largest token count first, listed ascending (as in the records)
+    assert thr["tokens"] == sorted(thr["tokens"])
+    assert list(thr["ms"]) == [f"{n}@{t}" for t in thr["tokens"] for n in ("qkv", "o", "gate_up", "down")] + [
+        f"layer@{t}" for t in thr["tokens"]]
     for tokens in thr["tokens"]:
         for name in ("qkv", "o", "gate_up", "down", "layer"):
             row = thr["ms"][f"{name}@{tokens}"]
@@ -107,6 +119,12 @@ def test_dry_run_runs_every_part(tmp_path):
     assert set(grpo["decode"]["seconds"]) == {f"{s}, cuda_graphs={g}" for s in ("off", "vllm_w8a8")
                                               for g in (False, True)}
     assert "Torch engine decode in-process" in summary_md
+    # every config with cuda_graphs records its static decode (on a CPU: built, nothing to capture)
+    graphs = grpo["decode"]["graphs"]
+    for s in ("off", "vllm_w8a8"):
+        assert graphs[f"{s}, cuda_graphs=True"] == {"calls": 1, "warnings": [], "capture": False, "graphs": 0,
+                                                     "fallback": None}
+        assert graphs[f"{s}, cuda_graphs=False"]["calls"] == 0
 
     sh = results["shadow"]
     tw = sh["recipes"]["tensorwise"]
@@ -115,6 +133,8 @@ def test_dry_run_runs_every_part(tmp_path):
 
     pt = results["pytest_gpu"]
     assert pt["rc"] == 0 and pt["counts"].get("skipped", 0) > 0 and "tests/fp8/test_te_parity_gpu.py" in pt["files"]
+    assert len(pt["tests"]) == pt["counts"]["skipped"] and set(pt["tests"].values()) == {"SKIPPED"}
+    assert pt["in_flight"] == [] and len(pt["test_seconds"]) == len(pt["tests"])
     assert results["distopt"]["resume_max_abs_diff"] <= 1e-3
 
     if importlib.util.find_spec("transformer_engine") is None:
@@ -228,6 +248,98 @@ def test_throughput_survives_a_raising_recipe(tmp_path, monkeypatch):
     for key, row in res["ms"].items():
         assert "tensorwise" not in row and row.get("bf16", 0) > 0 and row.get("delayed", 0) > 0, key
     assert any("raised, not timed further" in line for line in part_throughput.tables(res))
+
+
+def test_throughput_estimates_each_label_from_its_own_last_config():
+    """A configuration's expected time is its label's last one (its first carried the compiles), else the
+    slowest first configuration of any label: one slow compile no longer makes every later label look slow."""
+    import part_throughput
+
+    est = part_throughput._estimate
+    seconds = {"bf16": [0.4, 0.2], "torchao_tensorwise": [28.0, 1.5]}
+    assert est("bf16", seconds) == 0.2 and est("torchao_tensorwise", seconds) == 1.5
+    assert est("tensorwise", seconds) == 28.0  # never timed: as slow as the slowest first configuration
+    assert est("tensorwise", {}) == part_throughput.FIRST_CONFIG_S
+
+
+def test_parity_runs_its_new_checks_first_and_skips_recipes_without_time(tmp_path, monkeypatch):
+    """The checks that never ran on a GPU come before the recipes; a recipe that does not fit the time left is
+    recorded as skipped with the reason (the part is not failed), and the results are saved as they come."""
+    import part_parity
+    from common import Ctx
+
+    monkeypatch.setattr(part_parity, "RECIPE_DEFAULT_S", 1e6)  # no recipe fits
+    monkeypatch.setattr(part_parity, "RECIPE_LEAST_S", {})
+    ctx = Ctx(dry=True, device="cpu", out=tmp_path, deadline=time.time() + 600,
+              result_path=tmp_path / "r.json")
+    res = part_parity.run(ctx)
+    assert runner.status_of(res) == "ok" and res["problems"] == []
+    assert res["skipped_recipes"] == [r[0] for r in part_parity.RECIPES]
+    assert all(row["skipped"].startswith("out of time") for row in res["recipes"].values())
+    assert all(ok is True for ok in res["rollout_weights"].values())
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["rollout_weights"] == res["rollout_weights"] and "mxfp8" in saved["recipes"]
+    assert "| mxfp8 | skipped: out of time" in "\n".join(part_parity.tables(res))
+    # the planted amax makes a division through a float32 reciprocal give another per-tensor scale
+    import torch
+
+    a = torch.tensor(part_parity._reciprocal_sensitive_amax())
+    assert a / torch.tensor(448.0) != a * torch.tensor(1.0 / 448.0) and a >= 0.125
+
+
+def test_pytest_gpu_cut_short_names_its_tests(tmp_path, monkeypatch):
+    """pytest gets SIGINT before the part's deadline: the tests that ended and the one running are named, from
+    pytest's verbose output, and the part is failed as timed out."""
+    import part_pytest_gpu
+    from common import Ctx
+
+    tests = tmp_path / "test_sleepy.py"
+    tests.write_text("import time\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_fast():\n    pass\n\n\n"
+                     "@pytest.mark.gpu\ndef test_slow():\n    time.sleep(300)\n")
+    monkeypatch.setattr(part_pytest_gpu, "gpu_test_files", lambda: [str(tests)])
+    monkeypatch.setattr(part_pytest_gpu, "INTERRUPT_GRACE_S", 15)
+    ctx = Ctx(dry=True, device="cpu", out=tmp_path, deadline=time.time() + 45,
+              result_path=tmp_path / "r.json")
+    t0 = time.time()
+    res = part_pytest_gpu.run(ctx)
+    assert time.time() - t0 < 45
+    assert res["failed"].startswith("pytest timed out") and res["rc"] == 2  # pytest's "interrupted"
+    assert [v for k, v in res["tests"].items() if k.endswith("::test_fast")] == ["PASSED"]
+    assert [t.split("::")[1] for t in res["in_flight"]] == ["test_slow"]
+    assert "running when stopped" in part_pytest_gpu.headline(res)
+    assert "test_fast" in (tmp_path / "pytest_gpu.txt").read_text()
+
+
+def test_grpo_gives_the_fp8_arm_the_larger_share_and_fails_on_a_graph_fallback(tmp_path, monkeypatch):
+    """The FP8 arm gets ARM_SHARE of the arms' time, the BF16 arm what is left; a cuda_graphs config on CUDA
+    whose timed call captured nothing fails the part (its ratio would read as measured)."""
+    import part_grpo
+    from common import Ctx
+
+    timeouts = {}
+
+    def fake_arm(name, overrides, timeout, tmp):
+        timeouts[name] = timeout
+        return {"rc": 0, "steps": 5, "all_finite": True, "median_step_s": 1.0}
+
+    def fake_decode(ctx):
+        ctx.res["decode"] = {"seconds": {"off, cuda_graphs=False": 1.0, "off, cuda_graphs=True": 1.0},
+                             "graphs": {"off, cuda_graphs=False": {"calls": 0, "warnings": []},
+                                        "off, cuda_graphs=True": {"calls": 1, "capture": True, "graphs": 0,
+                                                                  "fallback": "RuntimeError: capture failed",
+                                                                  "warnings": []}}}
+        return ctx.res["decode"]
+
+    monkeypatch.setattr(part_grpo, "_arm", fake_arm)
+    monkeypatch.setattr(part_grpo, "_decode_times", fake_decode)
+    ctx = Ctx(dry=True, device="cuda", out=tmp_path, deadline=time.time() + 300,
+              result_path=tmp_path / "r.json")
+    res = part_grpo.run(ctx)
+    left = 300 - 5 - part_grpo.DECODE_RESERVE_S
+    assert timeouts["fp8_tensorwise_calibrated"] == pytest.approx(0.6 * left, abs=3)
+    assert timeouts["bf16"] == pytest.approx(left, abs=3)  # all that is left (the fake FP8 arm took none)
+    assert "no CUDA graph captured (RuntimeError: capture failed)" in res["failed"]
+    assert part_grpo._decode_problems(res["decode"], "cpu") == []  # no capture to expect without CUDA
 
 
 # what the H200 image already has (benchmarks/gpu/h200_check.md): prepare.sh must not ship any of it, since a

@@ -2,7 +2,8 @@
 parameters with float32 main-parameter shards, 3 train steps against torch AdamW on float32 master
 weights (loss and log-prob gaps), Adam state bytes, a per-rank and a dist_checkpointing (format 2)
 checkpoint round trip, and the CPU shims refusing to activate in the NCCL process (dry run: the same
-on CPU with float32 parameters)."""
+on CPU with float32 parameters). Each stage's results are saved as it ends (``ctx.save()``), so a part
+stopped by its timeout keeps the stages before."""
 
 from __future__ import annotations
 
@@ -36,17 +37,22 @@ def run(ctx) -> dict:
 
     d = build_actor(mc, pc, seed=0, lr=1e-4, device=dev, distributed_optimizer=True)
     r = build_actor(mc, pc, seed=0, lr=1e-4, device=dev, distributed_optimizer=False)
-    res = {"param_dtype": str(next(d.model.parameters()).dtype),
-           "main_param_dtypes": sorted({str(p.dtype) for o in chained(d.optimizer)
-                                        for grp in getattr(o, "shard_fp32_from_float16_groups", []) for p in grp}),
-           "optimizer_bytes": {}, "loss": {"distributed": [], "adamw": []}}
+    res = ctx.res
+    shards = [p for o in chained(d.optimizer) for grp in getattr(o, "shard_fp32_from_float16_groups", [])
+              for p in grp]
+    res.update(param_dtype=str(next(d.model.parameters()).dtype),
+               main_param_dtypes=sorted({str(p.dtype) for p in shards}),
+               optimizer_bytes={}, loss={"distributed": [], "adamw": []})
+    ctx.save()
     for _ in range(3):
         res["loss"]["distributed"].append(float(d.train_step(batch, loss_fn)["train/loss"][0]))
         res["loss"]["adamw"].append(float(r.train_step(batch, loss_fn)["train/loss"][0]))
+        ctx.save()
     res["optimizer_bytes"] = {"distributed": d.optimizer_state_bytes(), "adamw": r.optimizer_state_bytes()}
     m = batch["mask"].bool()
     res["logprob_gap_vs_adamw"] = float((d.get_logprobs(tokens.to(dev))[0] - r.get_logprobs(tokens.to(dev))[0])[m]
                                         .abs().mean())
+    ctx.save()
     buf = io.BytesIO()
     torch.save(d.state_dict_for_checkpoint(), buf)
     d.train_step(batch, loss_fn)
@@ -56,6 +62,7 @@ def run(ctx) -> dict:
     e.load_checkpoint_state(torch.load(buf, weights_only=False))
     e.train_step(batch, loss_fn)
     res["resume_max_abs_diff"] = float((e.get_logprobs(tokens.to(dev))[0] - want).abs().max())
+    ctx.save()
     # the layout-free (dist_checkpointing, format 2) checkpoint of the same state
     from nemo_fp8rl.trainer.checkpoint import CheckpointManager
 
@@ -72,6 +79,7 @@ def run(ctx) -> dict:
         g.load_sharded_checkpoint([x["actor_local"] for x in ck.rank_states], ck.load_sharded)
         g.train_step(batch, loss_fn)
         res["dist_checkpoint_resume_max_abs_diff"] = float((g.get_logprobs(tokens.to(dev))[0] - want).abs().max())
+        ctx.save()
     finally:
         shutil.rmtree(ckdir, ignore_errors=True)
     try:

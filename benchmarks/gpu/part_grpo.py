@@ -13,8 +13,12 @@ step 0 (step 0 compiles and warms the kernels), FP8 / BF16 per phase, the weight
 the converter's ``backend=torch: N on torch FP8 GEMMs`` line, and
 whether every step's core metrics are finite (the logger writes non-finite values as null). After the arms,
 in this process: the torch rollout engine's ``generate`` timed eager against ``rollout.cuda_graphs`` (the
-decode steps replayed as CUDA graphs) at the same widths (:data:`DECODE`). The dry run uses the tiny model
-on the CPU.
+decode steps replayed as CUDA graphs) at the same widths (:data:`DECODE`), with how many graphs each timed
+call captured (a failed capture decodes eagerly and would read as a ratio near 1: the part then fails). The
+dry run uses the tiny model on the CPU.
+
+Time: the FP8 arm (the headline; it also calibrates and runs the FP8 rollout) gets :data:`ARM_SHARE` of what
+is left for the arms, the BF16 arm the rest; every result is saved as it comes (arms, each decode config).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ ARMS = {
                                   "calibration.interval=2", "calibration.min_tokens=4"],
     "bf16": ["fp8=off", "calibration=off"],
 }
+ARM_SHARE = {"fp8_tensorwise_calibrated": 0.6, "bf16": 0.4}
+"""Share of the arms' time each arm gets when it starts (of the arms still to run): the FP8 arm does more
+work (FP8 rollout, calibration forwards, more first-step compiles: 37 s against BF16's 24 s on 2026-12-04,
+run b)."""
 REPO = Path(__file__).resolve().parents[2]
 DECODE = {"prompts": 256, "prompt_tokens": 16, "new_tokens": 64, "vocab": 4096}
 """The in-process decode timing (:func:`_decode_times`): the torch engine at Qwen3-8B widths with ``LAYERS``
@@ -164,10 +172,85 @@ def _random_hf_weights(cfg, device: str) -> dict:
     return sd
 
 
+class _CaptureLog:
+    """The :class:`~nemo_fp8rl.rollout.decode_graphs.StaticDecode` of each ``generate`` call while active,
+    so a config records how many CUDA graphs its timed call captured and why it fell back to eager
+    (``fallback``).
+
+    Why from here: a failed capture only logs a warning and decodes eagerly, and ``generate`` does not expose
+    its ``StaticDecode``; the engine is left as it is, and this process wraps ``StaticDecode.__init__`` (as
+    tests/rollout/test_decode_graphs.py does) and restores it on exit. The warnings of ``decode_graphs``'s
+    logger are kept too, in case the engine stops building a ``StaticDecode``."""
+
+    def __init__(self) -> None:
+        self.made: list = []
+        self.warnings: list = []
+
+    def __enter__(self) -> "_CaptureLog":
+        import logging
+
+        from nemo_fp8rl.rollout import decode_graphs
+
+        self._cls, self._init = decode_graphs.StaticDecode, decode_graphs.StaticDecode.__init__
+        made, orig = self.made, self._init
+
+        def record(obj, *args, **kwargs):
+            orig(obj, *args, **kwargs)
+            made.append(obj)
+
+        self._cls.__init__ = record
+        warnings = self.warnings
+
+        class _Keep(logging.Handler):
+            def emit(self, record):
+                warnings.append(record.getMessage()[:300])
+
+        self._handler, self._logger = _Keep(level=logging.WARNING), logging.getLogger(decode_graphs.__name__)
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cls.__init__ = self._init
+        self._logger.removeHandler(self._handler)
+
+    def summary(self, since: int, warned: int) -> dict:
+        """What the calls since ``len(made) == since`` (and warnings since ``warned``) did: the last call's
+        ``capture`` flag, ``graphs`` captured and ``fallback`` reason; ``calls`` = StaticDecodes built."""
+        new = self.made[since:]
+        out: dict = {"calls": len(new), "warnings": self.warnings[warned:]}
+        if new:
+            last = new[-1]
+            out.update(capture=bool(getattr(last, "capture", False)),
+                       graphs=len(getattr(last, "graphs", {}) or {}),
+                       fallback=getattr(last, "fallback", None))
+        return out
+
+
+def _decode_problems(d: dict, device: str) -> list:
+    """Configs with ``cuda_graphs=True`` on CUDA whose timed call captured no graph (or built no static
+    decode): their graphs/eager ratio would not measure CUDA graphs."""
+    if not str(device).startswith("cuda"):
+        return []
+    out = []
+    for key, g in (d.get("graphs") or {}).items():
+        if not key.endswith("cuda_graphs=True"):
+            continue
+        if not g.get("calls"):
+            out.append(f"decode {key}: no static decode was built (rollout.cuda_graphs not honoured)")
+        elif not g.get("graphs"):
+            why = g.get("fallback") or (g.get("warnings") or ["no capture and no reason logged"])[0]
+            out.append(f"decode {key}: no CUDA graph captured ({why[:200]}); its time is eager")
+    return out
+
+
 def _decode_times(ctx) -> dict:
     """Seconds of one ``generate`` (:data:`DECODE`: every row decodes ``new_tokens``) of the torch engine,
     eager and with ``cuda_graphs=True`` (its captures included: graphs live for one call), per rollout scheme
-    (``off`` = BF16, ``vllm_w8a8`` on torch's FP8 GEMMs), each after one untimed call of the same shapes."""
+    (``off`` = BF16, ``vllm_w8a8`` on torch's FP8 GEMMs), each after one untimed call of the same shapes.
+
+    Written to ``ctx.res["decode"]`` and saved after every config (a timeout keeps what was measured):
+    ``seconds[config]``, ``graphs[config]`` (:meth:`_CaptureLog.summary` of the timed call) and the
+    ``<scheme>_graphs_x_eager`` ratios."""
     import torch
 
     from nemo_fp8rl.config.model import ModelConfig
@@ -183,31 +266,39 @@ def _decode_times(ctx) -> dict:
         cfg = ModelConfig(name="qwen3_8b_widths", vocab_size=c["vocab"], num_layers=LAYERS, hidden_size=4096,
                           num_attention_heads=32, num_query_groups=8, kv_channels=128, ffn_hidden_size=12288,
                           qk_layernorm=True, seq_length=256, rotary_base=1000000.0)
+    out: dict = {"shape": c, "model": "tiny" if ctx.dry else f"{LAYERS} layers at Qwen3-8B widths",
+                 "seconds": {}, "graphs": {}}
+    ctx.res["decode"] = out
     sd = _random_hf_weights(cfg, ctx.device)
     prompts = [[(7 * i + j) % (c["vocab"] - 1) + 1 for j in range(c["prompt_tokens"])] for i in range(c["prompts"])]
     params = SamplingParams(max_new_tokens=c["new_tokens"], stop_on_eos=False, temperature=1.0)
-    out: dict = {"shape": c, "model": "tiny" if ctx.dry else f"{LAYERS} layers at Qwen3-8B widths", "seconds": {}}
-    for scheme in ("off", "vllm_w8a8"):
-        for graphs in (False, True):
-            if ctx.left() < 8:
-                out["skipped"] = f"out of time at {scheme}, cuda_graphs={graphs}"
-                return out
-            eng = TorchRolloutEngine(cfg, fp8_scheme=scheme, eos_id=0, pad_id=0, device=ctx.device,
-                                     fp8_gemm="torch", cuda_graphs=graphs)
-            eng.update_weights(sd)
-            eng.generate(prompts, params, torch.Generator().manual_seed(0))  # first-use kernels, launch configs
-            if ctx.device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            eng.generate(prompts, params, torch.Generator().manual_seed(1))
-            if ctx.device == "cuda":
-                torch.cuda.synchronize()
-            out["seconds"][f"{scheme}, cuda_graphs={graphs}"] = time.perf_counter() - t0
-            eng.close()
-    s = out["seconds"]
-    for scheme in ("off", "vllm_w8a8"):
-        if f"{scheme}, cuda_graphs=True" in s:
-            out[f"{scheme}_graphs_x_eager"] = s[f"{scheme}, cuda_graphs=False"] / s[f"{scheme}, cuda_graphs=True"]
+    with _CaptureLog() as captures:
+        for scheme in ("off", "vllm_w8a8"):
+            for graphs in (False, True):
+                if ctx.left() < 8:
+                    out["skipped"] = f"out of time at {scheme}, cuda_graphs={graphs}"
+                    ctx.save()
+                    return out
+                key = f"{scheme}, cuda_graphs={graphs}"
+                eng = TorchRolloutEngine(cfg, fp8_scheme=scheme, eos_id=0, pad_id=0, device=ctx.device,
+                                         fp8_gemm="torch", cuda_graphs=graphs)
+                eng.update_weights(sd)
+                # first-use kernels, launch configs
+                eng.generate(prompts, params, torch.Generator().manual_seed(0))
+                if ctx.device == "cuda":
+                    torch.cuda.synchronize()
+                since, warned = len(captures.made), len(captures.warnings)
+                t0 = time.perf_counter()
+                eng.generate(prompts, params, torch.Generator().manual_seed(1))
+                if ctx.device == "cuda":
+                    torch.cuda.synchronize()
+                out["seconds"][key] = time.perf_counter() - t0
+                out["graphs"][key] = captures.summary(since, warned)
+                eng.close()
+                ratio = f"{scheme}, cuda_graphs=False"
+                if graphs and ratio in out["seconds"]:
+                    out[f"{scheme}_graphs_x_eager"] = out["seconds"][ratio] / out["seconds"][key]
+                ctx.save()
     return out
 
 
@@ -219,10 +310,11 @@ def run(ctx) -> dict:
     try:
         names = list(ARMS)
         for i, name in enumerate(names):
-            # what is left, shared by the arms still to run (less DECODE_RESERVE_S for the decode timing, when
-            # there is room for it: the arms come first)
+            # what is left, shared by the arms still to run in proportion to ARM_SHARE (less DECODE_RESERVE_S
+            # for the decode timing, when there is room for it: the arms come first)
             reserve = DECODE_RESERVE_S if ctx.left() > 100 else 0
-            timeout = (ctx.left() - 5 - reserve) / (len(names) - i)
+            share = ARM_SHARE[name] / sum(ARM_SHARE[n] for n in names[i:])
+            timeout = (ctx.left() - 5 - reserve) * share
             if timeout < 20:
                 res["arms"][name] = {"failed": f"out of time ({ctx.left():.0f}s left)"}
                 continue
@@ -249,9 +341,10 @@ def run(ctx) -> dict:
         problems.append(f"the FP8 arm's rollout ran no linear on torch's FP8 GEMMs ({ro.get('line', '')[:200]})")
     if ctx.left() > 20:  # extra: its failure must not lose the arms
         try:
-            res["decode"] = _decode_times(ctx)
+            _decode_times(ctx)
         except Exception as e:  # noqa: BLE001
-            res["decode"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            res.setdefault("decode", {})["error"] = f"{type(e).__name__}: {e}"[:300]
+        problems += _decode_problems(res.get("decode", {}), ctx.device)
         ctx.save()
     if problems:
         res["failed"] = "; ".join(problems)
@@ -295,6 +388,12 @@ def tables(res: dict) -> list[str]:
                      f"{c['vocab']}), seconds per generate (rollout.cuda_graphs: captures included): "
                      + "; ".join(f"{k} {v:.3f}" for k, v in d["seconds"].items())
                      + "".join(f"; {k} {d[k]:.2f}" for k in ("off_graphs_x_eager", "vllm_w8a8_graphs_x_eager") if k in d))
-    elif d:
+        caps = [f"{k}: {g.get('graphs')} graphs"
+                + (f" (fell back: {g['fallback'][:120]})" if g.get("fallback") else "")
+                for k, g in (d.get("graphs") or {}).items() if k.endswith("cuda_graphs=True")]
+        if caps:
+            lines.append("CUDA graphs captured by the timed call (0 on a CPU: the static steps run eagerly): "
+                         + "; ".join(caps))
+    if d and (d.get("error") or d.get("skipped")):
         lines.append(f"\nTorch engine decode in-process: {d.get('error') or d.get('skipped')}")
     return lines

@@ -18,17 +18,44 @@ W [N, K] and dy [M, N] (small output gradients), all BF16 (float32 in the dry ru
    Delayed scaling runs one step first, so the checked step uses scales from an amax history.
 
 mxfp8 has no Hopper (or CPU) kernel: it must run emulated on sm90 and is reported "emulated: <reason>".
+
+Before the recipes, the checks that have not run on a GPU yet (a part that runs out of time loses its last
+checks, and the recipes' operands and GEMMs were bit-equal / in bound on the H200 in both 2026-12-04 runs):
+
+- ``rollout_weights``: the rollout's weight quantizers (``vllm_w8a8``'s per-tensor codes and scale,
+  ``vllm_block``'s tiles and tile scales, ``rollout/vllm_fp8.py``'s block-FP8 sync) give the same bits on the
+  device as on the CPU (:func:`_rollout_weights_equal`; the dry run compares the CPU with itself, to run the
+  code path);
+- ``rollout_kernels``: the rollout activation kernels against their CPU reference
+  (:func:`_rollout_kernels_equal`);
+- ``kv_decode``: the FP8 KV decode attention kernel within its error bound (:func:`_kv_decode_within_bound`).
+
+Then the recipes in :data:`common.RECIPES`' order (mxfp8, which compiles its quantizer with Inductor, last); a
+recipe that no longer fits the part's time is recorded as skipped with the reason (:func:`_recipe_estimate`).
+Results are saved after every check and recipe, so a timeout keeps what was measured.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 from common import RECIPES, recipe
 
 # (name, role, reduction dim) of every quantization a linear step makes
 OPERANDS = [("x_fwd", "input", 1), ("w_fwd", "weight", 1), ("dy_dgrad", "grad_output", 1),
             ("w_dgrad", "weight", 0), ("dy_wgrad", "grad_output", 0), ("x_wgrad", "input", 0)]
+
+RECIPE_LEAST_S = {"mxfp8": 25.0}
+"""Seconds a recipe is expected to take at least on a fresh GPU, where more than :data:`RECIPE_DEFAULT_S`:
+mxfp8 compiles its quantizer graphs with Inductor (about 12 keys; the slowest recipe of run a, 2026-12-04)."""
+RECIPE_DEFAULT_S = 10.0
+"""A recipe's expected seconds before any has been timed (run b's four recipes took 26 s in all, cold)."""
+RECIPE_MARGIN_S = 3.0
+"""Seconds kept after a recipe for saving and the part's own end."""
+WEIGHT_SHAPES = ((768, 1000), (256, 384))
+"""Rollout weight shapes [N, K] of :func:`_rollout_weights_equal`: K = 1000 is not a multiple of the 128-tiles
+(zero-padded edge tiles), 256 x 384 is."""
 
 
 def _inputs(dry: bool):
@@ -122,6 +149,85 @@ def _kernels_equal(rec, x, w, dy, device) -> dict:
     return out
 
 
+def _same_bits(a, b) -> bool:
+    """Same shape, dtype and bits (NaNs of any payload count as equal), compared on the CPU."""
+    import torch
+
+    a, b = a.cpu(), b.cpu()
+    nan = torch.isnan(a.float()) & torch.isnan(b.float())
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and bool(((a.view(bits) == b.view(bits)) | nan).all())
+
+
+def _reciprocal_sensitive_amax() -> float:
+    """The smallest BF16 value a in [0.125, 0.25) whose float32 ``a / 448`` (a correctly rounded division,
+    what vLLM's kernels and the CPU compute) differs from ``a * fp32(1 / 448)``.
+
+    Why: ATen's CUDA division of a tensor by a Python scalar multiplies by the scalar's float32 reciprocal
+    (``div_true_kernel_cuda``), which is 1 ulp off the division for about half of all amaxes; the CPU divides.
+    A weight whose amax is this value turns such a rounding into a certain scale difference instead of a coin
+    toss (the per-tensor scheme has one scale per weight). 0.125 lies above every element of the N(0, 0.02^2)
+    weights here, so the planted value is the amax."""
+    import torch
+
+    cand = torch.arange(0x3E00, 0x3E80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    differs = cand / torch.full_like(cand, 448.0) != cand * torch.tensor(1.0 / 448.0, dtype=torch.float32)
+    if not bool(differs.any()):  # impossible in IEEE float32; said rather than assumed
+        raise RuntimeError("no BF16 value in [0.125, 0.25) separates a / 448 from a * fp32(1/448)")
+    return float(cand[differs.nonzero()[0, 0]])
+
+
+def _rollout_weights_equal(device) -> dict:
+    """Quantizer@shape -> True when the rollout's weight quantizers give the same bits for a BF16 weight on
+    ``device`` as on the CPU (the readable reference the CPU tests pin to vLLM's rules), else False, or the
+    error it raised as a string. Per shape of :data:`WEIGHT_SHAPES`:
+
+    - ``w8a8_codes_scale``: ``fp8/rollout.py``'s ``_per_tensor_weight`` (vllm_w8a8: E4M3 codes,
+      ``s = amax / 448``);
+    - ``w8a8_weight_fp8`` / ``w8a8_quantize_weight``: ``VllmW8A8``'s FP8 operand (codes, per-row scales) and
+      read-back weight;
+    - ``block_weight_fp8`` / ``block_quantize_weight``: ``VllmBlock``'s 128x128 tiles (data, tile scales) and
+      read-back weight;
+    - ``vllm_block_sync``: ``rollout/vllm_fp8.py``'s ``vllm_block_fp8_weight`` (what a vLLM engine is sent).
+
+    Each weight's amax is :func:`_reciprocal_sensitive_amax`, so a device that divides by 448 through a
+    float32 reciprocal gets a different per-tensor scale (and the tiles' scales differ for about half the
+    tiles)."""
+    import torch
+
+    from nemo_fp8rl.fp8 import rollout as ro
+    from nemo_fp8rl.rollout import vllm_fp8
+
+    def pair(op):
+        return (op.data, op.scale_inv)
+
+    quantizers = {
+        "w8a8_codes_scale": lambda w: ro._per_tensor_weight(w),
+        "w8a8_weight_fp8": lambda w: pair(ro.VllmW8A8().weight_fp8(w)),
+        "w8a8_quantize_weight": lambda w: (ro.VllmW8A8().quantize_weight(w),),
+        "block_weight_fp8": lambda w: pair(ro.VllmBlock().weight_fp8(w)),
+        "block_quantize_weight": lambda w: (ro.VllmBlock().quantize_weight(w),),
+        "vllm_block_sync": lambda w: vllm_fp8.vllm_block_fp8_weight(w),
+    }
+    amax = _reciprocal_sensitive_amax()
+    g = torch.Generator().manual_seed(11)
+    out: dict = {}
+    for n, k in WEIGHT_SHAPES:
+        w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+        w[n // 3, k // 2] = amax
+        d = w.to(device)
+        for name, fn in quantizers.items():
+            key = f"{name}@{n}x{k}"
+            try:
+                got, want = fn(d), fn(w)
+                out[key] = len(got) == len(want) and all(_same_bits(a, b) for a, b in zip(got, want))
+            except Exception as e:  # noqa: BLE001  (one quantizer raising must not hide the others)
+                out[key] = f"{type(e).__name__}: {e}"[:300]
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return out
+
+
 def _rollout_kernels_equal(x, device) -> dict:
     """Input name -> True when the device's rollout activation kernels (``kernels/vllm_quant.py``: vLLM's per-token
     and 1x128-group E4M3, what the torch rollout engine runs on a GPU) write the same FP8 bytes, scales and
@@ -138,12 +244,6 @@ def _rollout_kernels_equal(x, device) -> dict:
                         for j in range(128)]).to(torch.bfloat16)
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
 
-    def same(a, b):
-        a, b = a.cpu(), b.cpu()
-        nan = torch.isnan(a.float()) & torch.isnan(b.float())
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-        return a.shape == b.shape and a.dtype == b.dtype and bool(((a.view(bits) == b.view(bits)) | nan).all())
-
     out = {}
     with fused.compile_mode_set("false"):
         for name, t in (("x", x[:, : x.shape[1] // 128 * 128]), ("every_bf16_pattern", every), ("ties", ties)):
@@ -151,14 +251,16 @@ def _rollout_kernels_equal(x, device) -> dict:
             q, s = vq.quantize_per_token(d)
             rq, rs = ro._token_fp8(t)
             fake = ro._token_fake(t)
-            out[f"token_{name}"] = (same(q, rq) and same(s, rs)
-                                    and same(vq.quantize_per_token(d, readback=True)[0], fake)
-                                    and same(vq.quantize_per_token(d, readback=True, out_dtype=torch.bfloat16)[0],
-                                             fake.to(torch.bfloat16)))
+            out[f"token_{name}"] = (_same_bits(q, rq) and _same_bits(s, rs)
+                                    and _same_bits(vq.quantize_per_token(d, readback=True)[0], fake)
+                                    and _same_bits(vq.quantize_per_token(d, readback=True,
+                                                                         out_dtype=torch.bfloat16)[0],
+                                                   fake.to(torch.bfloat16)))
             q, s = vq.quantize_per_group(d, 128)
             rq, rs = ro._group_fp8(t, 128)
-            out[f"group_{name}"] = (same(q, rq) and same(s, rs)
-                                    and same(vq.quantize_per_group(d, 128, readback=True)[0], ro._group_fake(t, 128)))
+            out[f"group_{name}"] = (_same_bits(q, rq) and _same_bits(s, rs)
+                                    and _same_bits(vq.quantize_per_group(d, 128, readback=True)[0],
+                                                   ro._group_fake(t, 128)))
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return out
@@ -285,6 +387,47 @@ def _compare(rec, label: str, x, w, dy, device) -> dict:
     return row
 
 
+def _recipe_estimate(label: str, seconds: list) -> float:
+    """Seconds ``label`` is expected to take: the slowest recipe so far (the first one compiles the cast
+    kernels cold), at least :data:`RECIPE_LEAST_S` (mxfp8's Inductor compiles) or :data:`RECIPE_DEFAULT_S`."""
+    return max(RECIPE_LEAST_S.get(label, RECIPE_DEFAULT_S), max(seconds, default=0.0))
+
+
+def _device_checks(ctx, x) -> None:
+    """The checks that have not run on a GPU yet, each saved as it ends (module docstring): the rollout
+    weight quantizers on every device, the rollout activation kernels and the FP8 KV decode kernel where
+    Triton runs."""
+    from nemo_fp8rl.fp8.kernels import kernel_unavailable
+
+    res = ctx.res
+    # each check: its result dict, the failing entries, and how a problem reads
+    checks = [("rollout_weights", lambda: _rollout_weights_equal(ctx.device),
+               lambda r: {k: ok for k, ok in r.items() if ok is not True},
+               "rollout weight quantizers give other bits on the device than on the CPU")]
+    why = kernel_unavailable(ctx.device)
+    if why:
+        res["rollout_kernels"] = {"skipped": why}
+    else:
+        checks += [("rollout_kernels", lambda: _rollout_kernels_equal(x, ctx.device),
+                    lambda r: [k for k, ok in r.items() if not ok],
+                    "rollout activation kernels differ from the CPU's rollout quantizer"),
+                   ("kv_decode", lambda: _kv_decode_within_bound(ctx.device),
+                    lambda r: {k: v for k, v in r.items() if not v <= 1.0},
+                    "FP8 KV decode attention kernel outside its error bound")]
+    for key, check, failing, what in checks:
+        t0 = time.monotonic()
+        try:
+            res[key] = check()
+            bad = failing(res[key])
+            if bad:
+                res["problems"].append(f"{what}: {bad}")
+        except Exception as e:  # noqa: BLE001
+            res[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            res["problems"].append(f"{key}: {res[key]['error']}")
+        res["seconds"][key] = round(time.monotonic() - t0, 1)
+        ctx.save()
+
+
 def run(ctx) -> dict:
     import os
 
@@ -300,16 +443,26 @@ def run(ctx) -> dict:
     x, w, dy = _inputs(ctx.dry)
     res.update(device=ctx.device if ctx.device == "cpu" else torch.cuda.get_device_name(),
                shapes={"x": list(x.shape), "weight": list(w.shape), "dy": list(dy.shape)}, dtype=str(x.dtype),
-               recipes={}, problems=[])
+               recipes={}, skipped_recipes=[], problems=[], seconds={})
     if ctx.dry:
         res["note"] = "dry run: the 'GPU' quantizer is the CPU's (code path only)"
     cap = tuple(torch.cuda.get_device_capability()) if ctx.device == "cuda" else None
     from nemo_fp8rl.fp8.torch_linear import kernel_path_refusal
 
+    _device_checks(ctx, x)  # first: never run on a GPU, so a timeout must not be what loses them
     only = [r for r in os.environ.get("GPU_CHECK_PARITY_RECIPES", "").split(",") if r]
+    took: list = []  # seconds of each recipe checked so far
     for label, _, _ in RECIPES:
         if only and label not in only:  # a short run re-checking what changed (GPU_CHECK_PARITY_RECIPES)
             continue
+        est = _recipe_estimate(label, took)
+        if ctx.left() < est + RECIPE_MARGIN_S:  # skipped, not failed: the recipes before it are kept
+            why = f"out of time ({ctx.left():.0f}s left, the recipe takes ~{est:.0f}s)"
+            res["recipes"][label] = {"skipped": why}
+            res["skipped_recipes"].append(label)
+            ctx.save()
+            continue
+        t0 = time.monotonic()
         rec = recipe(label)
         try:
             # the quantizer fp8.backend=torch runs here: the Triton kernels where they run (no Inductor
@@ -325,8 +478,11 @@ def run(ctx) -> dict:
             res["traceback"] = res.get("traceback", "") + f"--- {label}\n{traceback.format_exc()[-3000:]}"
             res["problems"].append(f"{label}: {row['error']}")
             res["recipes"][label] = row
+            res["seconds"][label] = round(time.monotonic() - t0, 1)
             ctx.save()
             continue
+        took.append(time.monotonic() - t0)
+        res["seconds"][label] = round(took[-1], 1)
         bad = [k for k, ok in row["quantized_equal"].items() if not ok]
         if bad:
             res["problems"].append(f"{label}: device and CPU quantization differ for {bad}")
@@ -341,29 +497,6 @@ def run(ctx) -> dict:
             row["gemm"] = f"emulated: no Hopper kernel ({row['gemm'].removeprefix('emulated: ')})"
         res["recipes"][label] = row
         ctx.save()
-    from nemo_fp8rl.fp8.kernels import kernel_unavailable
-
-    why = kernel_unavailable(ctx.device)
-    if why:
-        res["rollout_kernels"] = {"skipped": why}
-    else:
-        # each check: its result dict, the failing entries, and how a problem reads
-        for key, check, failing, what in (
-                ("rollout_kernels", lambda: _rollout_kernels_equal(x, ctx.device),
-                 lambda r: [k for k, ok in r.items() if not ok],
-                 "rollout activation kernels differ from the CPU's rollout quantizer"),
-                ("kv_decode", lambda: _kv_decode_within_bound(ctx.device),
-                 lambda r: {k: v for k, v in r.items() if not v <= 1.0},
-                 "FP8 KV decode attention kernel outside its error bound")):
-            try:
-                res[key] = check()
-                bad = failing(res[key])
-                if bad:
-                    res["problems"].append(f"{what}: {bad}")
-            except Exception as e:  # noqa: BLE001
-                res[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
-                res["problems"].append(f"{key}: {res[key]['error']}")
-            ctx.save()
     if res["problems"]:
         res["failed"] = f"{len(res['problems'])} problem(s): {res['problems'][:3]}"
     return res
@@ -371,9 +504,13 @@ def run(ctx) -> dict:
 
 def headline(res: dict) -> str:
     parts = []
+    rw = res.get("rollout_weights")
+    if rw:
+        parts.append(f"rollout weights: {rw['error'][:60]}" if set(rw) == {"error"} else
+                     f"rollout weights device = CPU {sum(ok is True for ok in rw.values())}/{len(rw)}")
     for label, r in res.get("recipes", {}).items():
-        if "error" in r:
-            parts.append(f"{label}: {r['error'][:60]}")
+        if "error" in r or "skipped" in r:
+            parts.append(f"{label}: {(r.get('error') or 'skipped, ' + r['skipped'])[:60]}")
             continue
         worst = max(r[g][f"{b}_err_over_bound"] for g in ("forward", "dgrad", "wgrad") for b in ("torch", "emulate"))
         parts.append(f"{label} {'bytes equal' if all(r['quantized_equal'].values()) else 'BYTES DIFFER'}, "
@@ -389,8 +526,9 @@ def tables(res: dict) -> list[str]:
              "wgrad torch | wgrad emulate | max abs torch-emulate (fwd/dgrad/wgrad) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in res.get("recipes", {}).items():
-        if "error" in r:
-            lines.append(f"| {label} | {r['error'][:100].replace('|', '/')} | | | | | | | | |")
+        if "error" in r or "skipped" in r:
+            why = r.get("error") or f"skipped: {r['skipped']}"
+            lines.append(f"| {label} | {why[:100].replace('|', '/')} | | | | | | | | |")
             continue
         eq = r["quantized_equal"]
         cells = [f"{r[g][f'{b}_err_over_bound']:.3g}" for g in ("forward", "dgrad", "wgrad") for b in ("torch", "emulate")]
@@ -399,6 +537,16 @@ def tables(res: dict) -> list[str]:
         lines.append(f"| {label} | {r['gemm'].replace('|', '/')}{quantizer} | "
                      f"{sum(eq.values())}/{len(eq)} | "
                      + " | ".join(cells) + f" | {diffs} |")
+    rw = res.get("rollout_weights")
+    if rw:
+        what = ("\nRollout weight quantizers (fp8/rollout.py, rollout/vllm_fp8.py; BF16 weights, amax where "
+                "a / 448 and a * fp32(1/448) differ) device vs CPU bit-equal: ")
+        if set(rw) == {"error"}:
+            lines.append(what + rw["error"])
+        else:
+            bad = [f"{k} ({ok})" if isinstance(ok, str) else k for k, ok in rw.items() if ok is not True]
+            equal = sum(ok is True for ok in rw.values())
+            lines.append(what + f"{equal}/{len(rw)} (differ: {', '.join(bad) or 'none'})")
     rk = res.get("rollout_kernels")
     if rk:
         if "skipped" in rk or "error" in rk:

@@ -23,6 +23,14 @@ where each recipe's time goes.
 A recipe that raises (a kernel refusing its operands, out of memory) is recorded under ``errors`` with
 the configuration and the exception, is not timed again, and the other recipes go on; the part is then
 marked failed with what it measured kept.
+
+Time: token counts run largest first (16384, 8192, 4096: issue 38's targets are at 16384 and 8192), so a part
+short of time loses the 4096-token rows; a configuration is skipped (listed under ``skipped``) when less time
+is left than the last configuration of the same label took plus 5 s (:func:`_estimate`). The derived rows
+(``layer``, ``x_bf16``, ``auto``, ``targets``) are recomputed and saved after every token count, so a part
+stopped by its timeout keeps them; tables list the rows in ascending token order, as in earlier records.
+The operands are drawn on the device (a CUDA generator): drawing the 16384-token operands on the CPU took
+several seconds of the part.
 """
 
 from __future__ import annotations
@@ -63,22 +71,23 @@ def run(ctx) -> dict:
     broken: set = set()  # recipes that raised: not timed again
     peer_cache: dict = {}
     torchao_ok = _torchao_available()
-    g = torch.Generator().manual_seed(0)
-    per_config: list[float] = []
-    for tokens in token_counts(ctx.dry):
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    seconds: dict = {}  # label -> seconds of each of its configurations so far (first: compile / tuning)
+    for tokens in sorted(token_counts(ctx.dry), reverse=True):  # the targets' token counts first
         for name, (n, k) in shapes(ctx.dry).items():
             key = f"{name}@{tokens}"
             res["ms"][key] = {}
-            x = (torch.randn(tokens, k, generator=g) * 2).to(ctx.device, torch.bfloat16).requires_grad_(True)
-            w = (torch.randn(n, k, generator=g) * 0.02).to(ctx.device, torch.bfloat16).requires_grad_(True)
-            dy = (torch.randn(tokens, n, generator=g) * 1e-3).to(ctx.device, torch.bfloat16)
+            x = _randn((tokens, k), 2.0, g, ctx.device).requires_grad_(True)
+            w = _randn((n, k), 0.02, g, ctx.device).requires_grad_(True)
+            dy = _randn((tokens, n), 1e-3, g, ctx.device)
             peers = [p for p in PEERS if tokens in PEER_TOKENS] if not ctx.dry or torchao_ok else []
             for label in ["bf16", *labels, *peers]:
-                est = max(per_config, default=5.0)
                 if label in broken:
                     continue
+                est = _estimate(label, seconds)
                 if ctx.left() < est + 5:
-                    res["skipped"].append(f"{key} {label}: out of time")
+                    why = f"out of time ({ctx.left():.0f}s left, ~{est:.0f}s needed)"
+                    res["skipped"].append(f"{key} {label}: {why}")
                     continue
                 t0 = time.monotonic()
                 if label == "bf16":
@@ -112,21 +121,13 @@ def run(ctx) -> dict:
                     free_memory()
                     ctx.save()
                     continue
-                per_config.append(time.monotonic() - t0)
+                seconds.setdefault(label, []).append(time.monotonic() - t0)
             x = w = dy = None
             free_memory()
             ctx.save()
-    # the whole layer: the four projections summed, where every one of them was timed
-    for tokens in token_counts(ctx.dry):
-        keys = [f"{name}@{tokens}" for name in shapes(ctx.dry)]
-        common_labels = set.intersection(*(set(res["ms"].get(k, {})) for k in keys))
-        res["ms"][f"layer@{tokens}"] = {lab: sum(res["ms"][k][lab] for k in keys) for lab in ["bf16", *labels, *PEERS]
-                                        if lab in common_labels}
-    res["x_bf16"] = {key: {lab: row["bf16"] / v for lab, v in row.items() if lab != "bf16"}
-                     for key, row in res["ms"].items() if "bf16" in row}
+        _derive(res, labels, ctx.dry)  # a part stopped later keeps the rows and targets of what it timed
+        ctx.save()
     res["kernel_configs"] = _kernel_configs(ctx.device)
-    res["auto"] = _auto_rows(res, labels, ctx.dry)
-    res["targets"] = _targets(res, ctx.dry)
     if ctx.left() > 15:
         try:
             res["profile"] = _profile(ctx, labels, broken)
@@ -146,6 +147,45 @@ def run(ctx) -> dict:
     return res
 
 
+FIRST_CONFIG_S = 5.0
+"""Seconds expected of a label's first configuration before any configuration was timed."""
+
+
+def _estimate(label: str, seconds: dict) -> float:
+    """Seconds the next configuration of ``label`` is expected to take: its own last one (its first includes
+    its compiles and launch tuning; later ones only the timed calls), else the slowest first configuration of
+    any label so far (a torchao compile, blockwise_hybrid's GEMM tuning), at least :data:`FIRST_CONFIG_S`."""
+    if seconds.get(label):
+        return seconds[label][-1]
+    return max([FIRST_CONFIG_S, *(v[0] for v in seconds.values() if v)])
+
+
+def _randn(shape: tuple, std: float, g, device: str):
+    """N(0, std^2) BF16 of ``shape`` drawn on ``device`` with generator ``g`` (of the same device)."""
+    import torch
+
+    return (torch.randn(shape, generator=g, device=device) * std).to(torch.bfloat16)
+
+
+def _derive(res: dict, labels: list, dry: bool) -> None:
+    """The rows computed from the timings: ``layer@tokens`` (the four projections summed, where every one of
+    them was timed for a label), ``x_bf16``, ``auto`` and ``targets``; ``ms`` reordered projections first,
+    then layers, each in ascending token order (the order of the tables in earlier records)."""
+    ms = res["ms"]
+    for tokens in token_counts(dry):
+        keys = [f"{name}@{tokens}" for name in shapes(dry)]
+        common_labels = set.intersection(*(set(ms.get(k, {})) for k in keys))
+        ms[f"layer@{tokens}"] = {lab: sum(ms[k][lab] for k in keys) for lab in ["bf16", *labels, *PEERS]
+                                 if lab in common_labels}
+    order = [f"{name}@{t}" for t in token_counts(dry) for name in [*shapes(dry), "layer"]]
+    order = [k for k in order if not k.startswith("layer@")] + [k for k in order if k.startswith("layer@")]
+    res["ms"] = {k: ms[k] for k in order if k in ms}
+    res["x_bf16"] = {key: {lab: row["bf16"] / v for lab, v in row.items() if lab != "bf16"}
+                     for key, row in res["ms"].items() if "bf16" in row}
+    res["auto"] = _auto_rows(res, labels, dry)
+    res["targets"] = _targets(res, dry)
+
+
 KV_DECODE = {"batch": 64, "heads": 32, "kv_heads": 8, "head_dim": 128, "positions": (1024, 4096)}
 """One decode step's attention of a Qwen3-8B-shaped layer over an E4M3 KV cache (the torch rollout engine)."""
 
@@ -153,18 +193,21 @@ KV_DECODE = {"batch": 64, "heads": 32, "kv_heads": 8, "head_dim": 128, "position
 def _kv_decode_times(device: str, dry: bool) -> dict:
     """ms of one layer's decode attention over an E4M3 cache: the Triton kernel that reads the codes
     (``kernels/kv_attention.py``) against what the engine runs without it (read the prefix back as float32,
-    ``dequantize_kv``, then SDPA with GQA and the ragged mask), at :data:`KV_DECODE`'s prefix lengths."""
+    ``dequantize_kv``, then the engine's SDPA call with the ragged mask), at :data:`KV_DECODE`'s prefix lengths."""
     import torch
-    import torch.nn.functional as F
 
     from nemo_fp8rl.fp8 import kernels
     from nemo_fp8rl.fp8.kv_cache import dequantize_kv
+    from nemo_fp8rl.rollout.model import ModelShape, _attend
 
     why = kernels.kernel_unavailable(device)
     if why:
         return {"skipped": why}
     c = KV_DECODE
     B, H, G, hd = (2, 4, 2, 16) if dry else (c["batch"], c["heads"], c["kv_heads"], c["head_dim"])
+    shape = ModelShape(num_layers=1, hidden_size=H * hd, num_heads=H, num_groups=G, head_dim=hd, ffn_hidden_size=1,
+                       vocab_size=None, norm_epsilon=1e-6, rotary_base=1e6, rope_scaling_factor=None,
+                       qk_layernorm=False, qkv_bias=False, linear_bias=False, tied_embeddings=False, seq_length=1)
     out = {}
     kv = kernels.kv_ops()
     for S in ((64,) if dry else c["positions"]):
@@ -174,10 +217,15 @@ def _kv_decode_times(device: str, dry: bool) -> dict:
         positions = torch.randint(S // 2, S, (B,), device=device, generator=g)
         mask = (torch.arange(S, device=device)[None, :] <= positions[:, None]).view(B, 1, 1, S)
 
+        # the engine's read-back path: its scales are float32 tensors on the device, made once (a Python float
+        # would add an upload and a stream sync to every call), and its float32 masked attention repeats K/V on
+        # CUDA (FlashAttention, the one CUDA kernel with grouped heads, takes no mask and no float32)
+        ks, vs = (torch.tensor(x, dtype=torch.float32).to(device) for x in (0.02, 0.03))
+
         def readback():
-            k = dequantize_kv(codes[0].view(torch.float8_e4m3fn), 0.02)
-            v = dequantize_kv(codes[1].view(torch.float8_e4m3fn), 0.03)
-            return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+            k = dequantize_kv(codes[0].view(torch.float8_e4m3fn), ks)
+            v = dequantize_kv(codes[1].view(torch.float8_e4m3fn), vs)
+            return _attend(shape, q.unsqueeze(2), k, v, mask)
 
         def kernel():
             return kv.decode_attention(q, codes[0], codes[1], positions, 0.02, 0.03, "e4m3")
@@ -311,10 +359,10 @@ def _profile(ctx, labels: list, broken: set) -> dict:
 
     name, tokens = PROFILE_SHAPE if not ctx.dry else ("gate_up", max(token_counts(ctx.dry)))
     n, k = shapes(ctx.dry)[name]
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(tokens, k, generator=g) * 2).to(ctx.device, torch.bfloat16).requires_grad_(True)
-    w = (torch.randn(n, k, generator=g) * 0.02).to(ctx.device, torch.bfloat16).requires_grad_(True)
-    dy = (torch.randn(tokens, n, generator=g) * 1e-3).to(ctx.device, torch.bfloat16)
+    g = torch.Generator(device=ctx.device).manual_seed(1)
+    x = _randn((tokens, k), 2.0, g, ctx.device).requires_grad_(True)
+    w = _randn((n, k), 0.02, g, ctx.device).requires_grad_(True)
+    dy = _randn((tokens, n), 1e-3, g, ctx.device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device == "cuda" else [])
     out = {"shape": f"{name}@{tokens}", "calls": 3, "recipes": {}}
     for label in ["bf16", *labels]:

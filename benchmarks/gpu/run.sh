@@ -8,7 +8,7 @@
 #    after the checkout itself (its nemo_fp8rl wins over the project wheel's, which may be older);
 # 2. runs benchmarks/gpu/runner.py: every part in its own process with its own timeout, all parts within
 #    GPU_CHECK_BUDGET_S seconds; the default is runner.py's budget table (PARTS: the caps of the parts
-#    that can run here, 480 s on the H200, read with `runner.py --print-budget`); summary.md and
+#    that can run here, 510 s on the H200, read with `runner.py --print-budget`); summary.md and
 #    results.json are rewritten after each part, so a run cut short keeps what was measured.
 # Environment: PYTHON (default: the checkout's .venv/bin/python when it exists, as after `make test`;
 # else python3), OUT, GPU_CHECK_BUDGET_S, GPU_CHECK_PARTS (comma list).
