@@ -101,6 +101,12 @@ class StaticDecode:
         """Why this call stopped capturing (the first failed capture), or None."""
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         """(rows, length) -> (CUDA graph, its output logits [rows, V])."""
+        self._pool: Any = None
+        """The memory pool all graphs of this call share (a later graph reuses an earlier one's freed
+        temporaries; safe here: graphs never run concurrently, and each output is copied out right after its
+        replay, before another graph runs), so a call holds one step's temporaries, not one per bucket."""
+        self._stream: Any = None
+        """The side stream of every warm-up and capture of this call."""
 
     def _view(self, rows: int) -> KVCache:
         c = self.cache
@@ -116,13 +122,15 @@ class StaticDecode:
             return self.graphs[key]
         fn = self._fn(rows, length)
         try:
-            side = torch.cuda.Stream()
+            if self._stream is None:
+                self._stream, self._pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+            side = self._stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 fn()  # warm-up: the same keys and values the replay writes; kernels' launch configs timed
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
                 out = fn()
         except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say why once
             self.fallback = f"{type(e).__name__}: {e}"
