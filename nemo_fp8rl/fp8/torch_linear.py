@@ -163,9 +163,10 @@ KERNEL_SCALINGS = ("tensorwise", "delayed", "rowwise", "blockwise")
 
 def kernel_path_refusal(recipe: Fp8Recipe, device) -> Optional[str]:
     """Why :class:`_Fp8KernelLinearFn` does not run this recipe on ``device`` (None: it does); decided once
-    per (recipe, device, ``NEMO_FP8RL_KERNELS``), as every FP8 linear call asks."""
+    per (recipe, device, current CUDA device, ``NEMO_FP8RL_KERNELS``), as every FP8 linear call asks."""
     dev = torch.device(device)
-    key = (recipe, dev.type, dev.index, os.environ.get("NEMO_FP8RL_KERNELS", "1"), kernels.interpreting())
+    current = torch.cuda.current_device() if dev.type == "cuda" else None  # Triton launches there
+    key = (recipe, dev.type, dev.index, current, os.environ.get("NEMO_FP8RL_KERNELS", "1"), kernels.interpreting())
     if key not in _REFUSALS:
         _REFUSALS[key] = _kernel_path_refusal(recipe, dev)
     return _REFUSALS[key]

@@ -300,3 +300,23 @@ def test_scaled_mm_args_pads_rows_keeping_values():
     c.scale_inv = c.scale_inv[:1000]
     mat_c, _, sc, _ = scaled_mm_args(c, b)  # a multiple of 4: nothing copied
     assert mat_c.data_ptr() == c.data.data_ptr() and sc.shape == (1000, 2)
+
+
+def test_kernels_refuse_tensors_of_another_gpu_than_the_current_one(monkeypatch, caplog):
+    """Triton launches on the current CUDA device, so tensors on another GPU would fault there: the kernels
+    step aside for them, with the fix (set_device) in the reason, logged once; the current device's run."""
+    from nemo_fp8rl.fp8 import kernels
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kernels, "_import_error", lambda: None)  # as where Triton imports
+    with caplog.at_level(logging.WARNING, logger="nemo_fp8rl.fp8.kernels"):
+        why = kernels.kernel_unavailable(torch.device("cuda", 1))
+        assert kernels.kernel_unavailable("cuda:1") == why
+    assert "cuda:1" in why and "cuda:0" in why and "torch.cuda.set_device(1)" in why
+    assert sum("FP8 kernels off" in r.getMessage() for r in caplog.records) <= 1
+    assert kernels.kernel_unavailable(torch.device("cuda", 0)) is None
+    assert kernels.kernel_unavailable("cuda") is None
+    recipe = get_recipe("tensorwise")
+    assert torch_linear.kernel_path_refusal(recipe, "cuda:1") == why
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # after set_device(1): decided again
+    assert torch_linear.kernel_path_refusal(recipe, "cuda:1") is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 from typing import Optional
 
@@ -53,7 +54,19 @@ def kernel_unavailable(device) -> Optional[str]:
         return "CPU: the kernels are Triton (GPU); on a CPU the eager/compiled quantizer runs"
     if dev.type not in ("cpu", "cuda"):
         return f"device {dev.type}: no kernels"
+    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        # Triton launches on the current device: pointers of another GPU would fault there
+        return _other_device(dev.index, torch.cuda.current_device())
     return _import_error()
+
+
+@functools.lru_cache(maxsize=None)
+def _other_device(index: int, current: int) -> str:
+    why = (f"tensors on cuda:{index} while the current device is cuda:{current} (Triton launches on the current "
+           f"device); call torch.cuda.set_device({index}) in the process that owns cuda:{index}, as Megatron's "
+           "initialisation does, to run the kernels there")
+    logging.getLogger(__name__).warning("FP8 kernels off for these tensors: %s; the eager/compiled quantizer runs", why)
+    return why
 
 
 def ops():
