@@ -249,7 +249,9 @@ class TorchRolloutEngine:
                 why = sorted({r["fallback"] for r in stats.values() if "fallback" in r})
                 gemm = f"{real} on torch FP8 GEMMs, {len(stats) - real} emulated" + (f" ({'; '.join(why)})" if why else "")
             hp = self.high_precision_layers
-            (log.warning if "fallback" in str(stats) else log.info)(
+            # a warning only when FP8 linears that could run on torch's FP8 GEMMs fell back (scheme off has none)
+            fell_back = self.fp8_gemm == "torch" and self.scheme.enabled and any("fallback" in r for r in stats.values())
+            (log.warning if fell_back else log.info)(
                 "rollout engine 'torch': FP8 scheme %s quantizes %d linear weights per sync (fused qkv and "
                 "gate_up per layer; %s); embeddings, norms and the LM head stay %s%s; KV cache %s",
                 self.scheme_name, len(stats) - 4 * len(hp), gemm, self.dtype,

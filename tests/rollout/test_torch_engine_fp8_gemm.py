@@ -44,6 +44,7 @@ def test_cpu_falls_back_and_says_why(caplog):
     assert {r["gemm"] for r in stats.values()} == {"emulate"}
     assert all("per-tensor scales only" in r["fallback"] for r in stats.values())
     assert "0 on torch FP8 GEMMs, 8 emulated" in caplog.text
+    assert any(r.levelno == logging.WARNING for r in caplog.records)  # FP8 linears that fell back: a warning
     ref = _engine("vllm_w8a8", "emulate")
     assert torch.equal(eng.logprobs(TOKENS), ref.logprobs(TOKENS))  # the fallback is the emulated engine
     with pytest.raises(ValueError, match="fp8_gemm"):
@@ -88,3 +89,12 @@ def test_fp8_gemm_layout_reproduces_the_emulated_engine(scheme, monkeypatch):
 
 def test_base_scheme_has_no_fp8_gemm():
     assert "no FP8 GEMM" in RolloutScheme().torch_gemm_support("cpu", 128, 128)
+
+
+def test_scheme_off_logs_its_engine_line_without_a_warning(caplog):
+    """A BF16 engine (scheme off) has no FP8 GEMM to fall back from: its first-sync line is information, not
+    a warning in every BF16 run's log."""
+    with caplog.at_level(logging.INFO, logger="nemo_fp8rl.rollout.torch_engine"):
+        _engine("off", "torch")
+    lines = [r for r in caplog.records if "rollout engine 'torch'" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
