@@ -108,7 +108,11 @@ def test_dry_run_runs_every_part(tmp_path):
     grpo = results["grpo"]
     fp8, bf16 = grpo["arms"]["fp8_tensorwise_calibrated"], grpo["arms"]["bf16"]
     for arm in (fp8, bf16):
-        assert arm["rc"] == 0 and arm["all_finite"] and arm["steps"] == 3
+        # 3 timed steps and the profiled one (the dry run always profiles: GPU_CHECK_GRPO_PROFILE's path)
+        assert arm["rc"] == 0 and arm["all_finite"] and arm["steps"] == 4
+        assert arm["profile_top"][0].startswith("torch.profiler, rank 0, steps 3-3") and len(arm["profile_top"]) > 10
+        assert "trainer.profile.start_step=3" in arm["cmd"] and "trainer.max_steps=4" in arm["cmd"]
+    assert "Profiled step of fp8_tensorwise_calibrated" in summary_md
     assert "fp8.backend=torch" in fp8["cmd"] and "calibration=paper" in fp8["cmd"]
     assert fp8["conversion"]["backend"] == "torch" and fp8["conversion"]["torch_gemm"] > 0
     assert fp8["median_shadow_s"] > 0 and grpo["step_x_bf16"] > 0
@@ -318,7 +322,7 @@ def test_grpo_gives_the_fp8_arm_the_larger_share_and_fails_on_a_graph_fallback(t
 
     timeouts = {}
 
-    def fake_arm(name, overrides, timeout, tmp):
+    def fake_arm(name, overrides, timeout, tmp, *timed_and_profiled):
         timeouts[name] = timeout
         return {"rc": 0, "steps": 5, "all_finite": True, "median_step_s": 1.0}
 
@@ -340,6 +344,29 @@ def test_grpo_gives_the_fp8_arm_the_larger_share_and_fails_on_a_graph_fallback(t
     assert timeouts["bf16"] == pytest.approx(left, abs=3)  # all that is left (the fake FP8 arm took none)
     assert "no CUDA graph captured (RuntimeError: capture failed)" in res["failed"]
     assert part_grpo._decode_problems(res["decode"], "cpu") == []  # no capture to expect without CUDA
+
+
+def test_grpo_arm_cut_in_its_profiled_step_keeps_its_timed_steps(tmp_path, monkeypatch):
+    """With GPU_CHECK_GRPO_PROFILE the profiled step comes after the timed ones: a timeout there costs the
+    profile (said why), not the arm's measurement; a timeout before the timed steps end still fails it."""
+    import part_grpo
+
+    def run_cut_after(n):
+        def fake_run(cmd, **kw):
+            run = Path(next(a for a in cmd if a.startswith("output_dir=")).split("=", 1)[1])
+            run.mkdir(parents=True, exist_ok=True)
+            rec = {k: 1.0 for k in part_grpo.FINITE_KEYS} | {f"timing/{p}": 1.0 for p in part_grpo.PHASES}
+            (run / "metrics.jsonl").write_text("".join(json.dumps(rec | {"step": i}) + "\n" for i in range(n)))
+            raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=b"", stderr=b"")
+        return fake_run
+
+    monkeypatch.setattr(part_grpo.subprocess, "run", run_cut_after(5))
+    arm = part_grpo._arm("fp8", [], 30.0, tmp_path / "a", 5, True)
+    assert "failed" not in arm and arm["rc"] == 0 and arm["median_step_s"] == 1.0
+    assert arm["profile_error"] == "timed out after 30s in the profiled step"
+    monkeypatch.setattr(part_grpo.subprocess, "run", run_cut_after(3))
+    arm = part_grpo._arm("fp8", [], 30.0, tmp_path / "b", 5, True)
+    assert arm["failed"] == "timed out after 30s" and "no profile table" in arm["profile_error"]
 
 
 # what the H200 image already has (benchmarks/gpu/h200_check.md): prepare.sh must not ship any of it, since a

@@ -19,11 +19,13 @@ dry run uses the tiny model on the CPU.
 
 Time: the FP8 arm (the headline; it also calibrates and runs the FP8 rollout) gets :data:`ARM_SHARE` of what
 is left for the arms, the BF16 arm the rest; every result is saved as it comes (arms, each decode config).
+With ``GPU_CHECK_GRPO_PROFILE=1`` (:data:`PROFILE_ENV`; always in the dry run) each arm profiles one more step.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import statistics
@@ -51,6 +53,14 @@ ARM_SHARE = {"fp8_tensorwise_calibrated": 0.6, "bf16": 0.4}
 work (FP8 rollout, calibration forwards, more first-step compiles: 37 s against BF16's 24 s on 2026-12-04,
 run b)."""
 REPO = Path(__file__).resolve().parents[2]
+PROFILE_ENV = "GPU_CHECK_GRPO_PROFILE"
+"""``GPU_CHECK_GRPO_PROFILE=1``: each arm runs one more step under ``trainer.profile.kind=torch`` (after the
+timed steps, so the phase medians do not see the profiler) and the part keeps the top of its op table: where
+the FP8 step's time goes, kernel by kernel. Off by default: it costs each arm one step, the trace's export
+and its memory (the budget was sized without it); for a second device call, e.g.
+``GPU_CHECK_PARTS=grpo GPU_CHECK_GRPO_PROFILE=1 bash benchmarks/gpu/run.sh``."""
+PROFILE_LINES = 48
+"""Lines of torch.profiler's table kept per arm (its header and the top ~40 ops)."""
 DECODE = {"prompts": 256, "prompt_tokens": 16, "new_tokens": 64, "vocab": 4096}
 """The in-process decode timing (:func:`_decode_times`): the torch engine at Qwen3-8B widths with ``LAYERS``
 layers, eager against ``rollout.cuda_graphs`` (captures included), BF16 and FP8 W8A8 on torch's FP8 GEMMs."""
@@ -66,17 +76,34 @@ def _no_final_checkpoint() -> list[str]:
     return ["trainer.save_final=false"] if any(f.name == "save_final" for f in fields(TrainerConfig)) else []
 
 
+def profiling(dry: bool) -> bool:
+    """Whether each arm profiles one extra step (:data:`PROFILE_ENV`; always in the dry run, which checks the
+    path on the CPU)."""
+    return dry or os.environ.get(PROFILE_ENV, "0") == "1"
+
+
+def timed_steps(dry: bool) -> int:
+    """Steps whose phase times are reported (step 0 compiles; their medians skip it)."""
+    return 3 if dry else STEPS
+
+
 def _overrides(dry: bool) -> list[str]:
     # rollout.stop_on_eos=false: both arms decode max_new_tokens per response (on 2026-12-04 the FP8 policy
     # never stopped and BF16 stopped after 2-3 tokens, so the arms compared unequal decode work)
     common = ["warmup.steps=0", "logger.tensorboard=false", "logger.progress=lines", "trainer.checkpoint_interval=0",
               "task.format_reward=0.5", "algorithm.old_logprobs=recompute", "rollout.stop_on_eos=false",
               *_no_final_checkpoint()]
+    n = timed_steps(dry)
+    if profiling(dry):  # one more step, profiled after the timed ones (its times are not in the medians)
+        common += [f"trainer.max_steps={n + 1}", "trainer.profile.kind=torch", f"trainer.profile.start_step={n}",
+                   f"trainer.profile.end_step={n}"]
+    else:
+        common += [f"trainer.max_steps={n}"]
     if dry:
-        return common + ["trainer.max_steps=3", "algorithm.prompts_per_step=4", "algorithm.group_size=4",
+        return common + ["algorithm.prompts_per_step=4", "algorithm.group_size=4",
                          "algorithm.minibatches_per_step=1", "parallel.micro_batch_size=16", "rollout.max_new_tokens=6"]
     # 64 prompts x 8 responses x 64 new tokens: decode batches of 512, train micro-batches of 64 x 128 tokens
-    return common + [f"trainer.max_steps={STEPS}", "model=qwen3_8b", f"model.num_layers={LAYERS}",
+    return common + ["model=qwen3_8b", f"model.num_layers={LAYERS}",
                      "model.vocab_size=null", "model.seq_length=128", "algorithm.prompts_per_step=64",
                      "algorithm.group_size=8", "algorithm.minibatches_per_step=2", "parallel.micro_batch_size=64",
                      "rollout.max_new_tokens=64"]
@@ -88,7 +115,8 @@ def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
-def _arm(name: str, overrides: list[str], timeout: float, tmp: Path) -> dict:
+def _arm(name: str, overrides: list[str], timeout: float, tmp: Path, n_timed: int = STEPS,
+         profiled: bool = False) -> dict:
     run = tmp / name
     cmd = [sys.executable, "-m", "nemo_fp8rl.train", *overrides, f"output_dir={run}",
            f"warmup.cache_dir={tmp / 'warmup_cache'}"]
@@ -117,7 +145,19 @@ def _arm(name: str, overrides: list[str], timeout: float, tmp: Path) -> dict:
                 pass
     arm["steps"] = len(recs)
     arm["all_finite"] = bool(recs) and all(isinstance(r.get(k), (int, float)) for r in recs for k in FINITE_KEYS)
-    later = recs[1:] or recs
+    timed = [r for r in recs if not isinstance(r.get("step"), int) or r["step"] < n_timed]
+    later = timed[1:] or timed
+    if profiled:
+        # the profiled step runs after the timed ones: torch.profiler's table of it (top ops by device time)
+        table = run / "profile" / f"rank0_steps{n_timed}-{n_timed}.txt"
+        if table.is_file():
+            arm["profile_top"] = table.read_text().splitlines()[:PROFILE_LINES]
+        elif len(timed) >= n_timed and str(arm.get("failed", "")).startswith("timed out"):
+            # every timed step finished: only the extra, profiled step was cut
+            arm["profile_error"] = arm.pop("failed") + " in the profiled step"
+            arm["rc"] = 0
+        else:
+            arm["profile_error"] = f"no profile table ({table.name} not written)"
     for phase in PHASES:
         vals = [r[f"timing/{phase}"] for r in later if isinstance(r.get(f"timing/{phase}"), (int, float))]
         if vals:
@@ -321,7 +361,8 @@ def run(ctx) -> dict:
             # the dry run keeps fp8.backend=torch: auto is the emulation on a CPU, and the dry run is there to
             # run the GPU path's code (torch's CPU FP8 GEMM)
             arm_args = [a.format(backend="torch" if ctx.dry else "auto") for a in ARMS[name]]
-            res["arms"][name] = _arm(name, [*_overrides(ctx.dry), *arm_args], timeout, tmp)
+            res["arms"][name] = _arm(name, [*_overrides(ctx.dry), *arm_args], timeout, tmp, timed_steps(ctx.dry),
+                                     profiling(ctx.dry))
             ctx.save()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -380,6 +421,12 @@ def tables(res: dict) -> list[str]:
     if ratios:
         lines.append("\nFP8 x BF16 per phase (BF16 s / FP8 s): " + ", ".join(ratios)
                      + "; targets (issue 39): step >= 1.2, train >= 1.3, rollout >= 1.3, sync < 10% of the step")
+    for name, a in res.get("arms", {}).items():
+        if a.get("profile_top"):
+            lines += ["", f"Profiled step of {name} (torch.profiler, after the timed steps; top ops by device time):",
+                      "", "```", *a["profile_top"], "```"]
+        elif a.get("profile_error"):
+            lines.append(f"\nProfiled step of {name}: {a['profile_error']}")
     d = res.get("decode") or {}
     if d.get("seconds"):
         c = d["shape"]
