@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -322,7 +323,13 @@ def test_pytest_gpu_cut_short_names_its_tests(tmp_path, monkeypatch):
 
     monkeypatch.setattr(part_pytest_gpu, "time", SimpleNamespace(time=part_clock))
     ctx = Ctx(dry=True, device="cpu", out=tmp_path, deadline=deadline, result_path=tmp_path / "r.json")
-    res = part_pytest_gpu.run(ctx)
+    # as in the background of a non-interactive shell (or an xdist worker): SIGINT ignored, which a child
+    # inherits; the part's pytest must still take the interrupt
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        res = part_pytest_gpu.run(ctx)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert offset, "the slow test never started"
     assert res["failed"].startswith("pytest timed out") and res["rc"] == 2  # pytest's "interrupted"
     assert [v for k, v in res["tests"].items() if k.endswith("::test_fast")] == ["PASSED"]

@@ -36,6 +36,9 @@ INTERRUPT_GRACE_S = 15
 writes its summary and JUnit XML (a test inside a long CUDA call sees the interrupt when the call returns)."""
 POLL_S = 5
 """How often the part reads pytest's output and saves the tests named so far."""
+_PYTEST_MAIN = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
+"""``python -c`` body: pytest's main with Python's KeyboardInterrupt handler on SIGINT."""
 _RESULT = re.compile(r"^(\S+\.py::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", re.M)
 
 
@@ -74,10 +77,13 @@ def _junit_seconds(path: Path) -> dict:
 def run(ctx) -> dict:
     files = gpu_test_files()
     junit = Path(tempfile.mkdtemp(prefix="gpu_check_pytest_")) / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
+    # pytest through a -c that takes SIGINT as KeyboardInterrupt whatever this process inherited: a process
+    # started in the background of a non-interactive shell (or by pytest-xdist) has SIGINT ignored, and Python
+    # keeps an ignored SIGINT ignored, so the interrupt below would do nothing and pytest would be killed
+    cmd = [sys.executable, "-c", _PYTEST_MAIN, "-v", "-p", "no:cacheprovider", "-m", "gpu", "-rfEs",
            "--durations=15", f"--junitxml={junit}", *files]
     res = ctx.res
-    res.update(files=files, cmd=" ".join(cmd[1:]))
+    res.update(files=files, cmd="-m pytest " + " ".join(cmd[3:]))
     log = ctx.out / "pytest_gpu.txt"
     env = dict(os.environ, NEMO_FP8RL_KERNEL_TUNE="0")
     stop_at = ctx.deadline - INTERRUPT_GRACE_S
