@@ -149,16 +149,6 @@ def _kernels_equal(rec, x, w, dy, device) -> dict:
     return out
 
 
-def _same_bits(a, b) -> bool:
-    """Same shape, dtype and bits (NaNs of any payload count as equal), compared on the CPU."""
-    import torch
-
-    a, b = a.cpu(), b.cpu()
-    nan = torch.isnan(a.float()) & torch.isnan(b.float())
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-    return a.shape == b.shape and a.dtype == b.dtype and bool(((a.view(bits) == b.view(bits)) | nan).all())
-
-
 def _reciprocal_sensitive_amax() -> float:
     """The smallest BF16 value a in [0.125, 0.25) whose float32 ``a / 448`` (a correctly rounded division,
     what vLLM's kernels and the CPU compute) differs from ``a * fp32(1 / 448)``.
@@ -196,6 +186,7 @@ def _rollout_weights_equal(device) -> dict:
     import torch
 
     from nemo_fp8rl.fp8 import rollout as ro
+    from nemo_fp8rl.fp8.kernels.reference import same_bytes
     from nemo_fp8rl.rollout import vllm_fp8
 
     def pair(op):
@@ -220,7 +211,7 @@ def _rollout_weights_equal(device) -> dict:
             key = f"{name}@{n}x{k}"
             try:
                 got, want = fn(d), fn(w)
-                out[key] = len(got) == len(want) and all(_same_bits(a, b) for a, b in zip(got, want))
+                out[key] = same_bytes(tuple(got), tuple(want))
             except Exception as e:  # noqa: BLE001  (one quantizer raising must not hide the others)
                 out[key] = f"{type(e).__name__}: {e}"[:300]
     if torch.device(device).type == "cuda":
@@ -237,6 +228,7 @@ def _rollout_kernels_equal(x, device) -> dict:
 
     from nemo_fp8rl.fp8 import fused, kernels
     from nemo_fp8rl.fp8 import rollout as ro
+    from nemo_fp8rl.fp8.kernels.reference import same_bytes
 
     vq = kernels.vllm_ops()
     sig = 1.0 + torch.arange(128) / 128.0
@@ -251,15 +243,15 @@ def _rollout_kernels_equal(x, device) -> dict:
             q, s = vq.quantize_per_token(d)
             rq, rs = ro._token_fp8(t)
             fake = ro._token_fake(t)
-            out[f"token_{name}"] = (_same_bits(q, rq) and _same_bits(s, rs)
-                                    and _same_bits(vq.quantize_per_token(d, readback=True)[0], fake)
-                                    and _same_bits(vq.quantize_per_token(d, readback=True,
+            out[f"token_{name}"] = (same_bytes(q, rq) and same_bytes(s, rs)
+                                    and same_bytes(vq.quantize_per_token(d, readback=True)[0], fake)
+                                    and same_bytes(vq.quantize_per_token(d, readback=True,
                                                                          out_dtype=torch.bfloat16)[0],
                                                    fake.to(torch.bfloat16)))
             q, s = vq.quantize_per_group(d, 128)
             rq, rs = ro._group_fp8(t, 128)
-            out[f"group_{name}"] = (_same_bits(q, rq) and _same_bits(s, rs)
-                                    and _same_bits(vq.quantize_per_group(d, 128, readback=True)[0],
+            out[f"group_{name}"] = (same_bytes(q, rq) and same_bytes(s, rs)
+                                    and same_bytes(vq.quantize_per_group(d, 128, readback=True)[0],
                                                    ro._group_fake(t, 128)))
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
