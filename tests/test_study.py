@@ -549,6 +549,24 @@ def test_calibration_batch_stats_and_seeds_for_gap():
     assert pr.seeds_for_gap(1.0, 0.01, max_seeds=5, sims=200, boot=200) is None
 
 
+def test_format_of_the_last_10_steps():
+    """Issue 41: run_stats' format of the last 10 steps (unclosed answers, text after the answer, EOS share,
+    garbled steps) reads only those steps, and format_table prints them, '-' for a run with no steps."""
+    sys.path.insert(0, str(RUN_STUDY.parent))
+    import protocol_report as pr
+
+    # 12 steps: the first two (outside the last 10) carry values that would change every mean if read
+    recs = [{"step": i, "reward/mean": 0.5, "reward/unclosed_answer": 1.0 if i < 2 else 0.1 * (i % 2),
+             "reward/trailing_text": 0.9 if i < 2 else 0.0, "rollout/eos_frac": 0.0 if i < 2 else 1.0 - 0.05 * (i % 2),
+             "stability/garbled": 1.0 if i < 2 or i == 11 else 0.0} for i in range(12)]
+    s = pr.run_stats(recs)
+    assert s["unclosed_last10"] == pytest.approx(0.05) and s["trailing_last10"] == 0.0
+    assert s["eos_last10"] == pytest.approx(0.975) and s["garbled_last10"] == 1 and s["garbled_steps"] == 3
+    table = pr.format_table([("a/seed1", s, 12), ("b/seed1", pr.run_stats([]), 12)])
+    assert "| a/seed1 | 12/12 | 0.500 | 0.050 | 0.000 | 0.975 | 1 |" in table
+    assert "| b/seed1 | 0/12 | - | - | - | - | - |" in table
+
+
 def test_tis_weights_token_stats_against_hand_values():
     """Issue 41: tis_weights.token_stats on four tokens worked by hand (C = 2, eps 0.2): rho, the capped and
     low shares, the TIS and fixed-clip gradient mass per advantage sign, and the weight check."""

@@ -22,6 +22,12 @@ means over the step's responses):
   bound under ``calibration=paper`` with ``upper_mode=balance``); ``step s``: mean ``timing/step``;
 * ``garbled steps`` / ``entropy surges``: the number of steps with ``stability/garbled`` /
   ``stability/entropy_surge`` set (the degeneracy signals of nemo_fp8rl/algorithms/{degeneracy,mismatch}.py).
+* the format of the last 10 steps (:func:`format_table`; issue 41, reported beside the reward, not a decision
+  measure): ``unclosed``, the mean ``reward/unclosed_answer`` (answers read from a ``<answer>`` never closed,
+  which only the task's lenient parse scores); ``trailing``, the mean ``reward/trailing_text`` (text after
+  the closing tag); ``eos``, the mean ``rollout/eos_frac`` (responses that ended with EOS, not at the length
+  limit); ``garbled last 10``, the steps of those 10 with ``stability/garbled`` set. A policy can keep its
+  reward while these degrade (recompute + TIS on seed 22 of the 2xlr confirmation).
 
 The confirmation's paired comparison: per seed, the difference of two arms' ``last10`` reward (the primary
 measure; ``reward_all`` the secondary one), both runs of one seed sharing its warm-up and prompt stream;
@@ -79,6 +85,10 @@ def run_stats(recs: list[dict]) -> dict:
         "upper": _mean(series("clip/upper")),
         "garbled_steps": sum(1 for r in recs if r.get("stability/garbled")),
         "entropy_surges": sum(1 for r in recs if r.get("stability/entropy_surge")),
+        "unclosed_last10": _mean(series("reward/unclosed_answer")[-WINDOW:]),
+        "trailing_last10": _mean(series("reward/trailing_text")[-WINDOW:]),
+        "eos_last10": _mean(series("rollout/eos_frac")[-WINDOW:]),
+        "garbled_last10": sum(1 for r in recs[-WINDOW:] if r.get("stability/garbled")),
         "step_s": _mean(series("timing/step")),
     }
 
@@ -341,6 +351,18 @@ def arms_table(rows: list[tuple[str, dict, int]]) -> str:
                    f"{_f(s['reward_all'])} | {_f(s['acc_last10'])} | {_f(s['alpha_bf16'], '.4f')} | "
                    f"{_f(s['neg_push'], '+.4f')} | {_f(s['tail_gain'], '+.4f')} | {_f(s['low_clip'], '.4f')} | "
                    f"{_f(s['high_clip'], '.4f')} | {_f(s['upper'], '.2f')} | {_f(s['entropy_last10'])} | {s['garbled_steps']} | {s['entropy_surges']} |")
+    return "\n".join(out)
+
+
+def format_table(rows: list[tuple[str, dict, int]]) -> str:
+    """``rows``: (run name, run_stats, planned steps). The format of each run's last 10 steps (module
+    docstring): shares of unclosed answers, text after the answer, responses ended by EOS, and garbled steps."""
+    out = ["| run | steps | reward last 10 | unclosed answer last 10 | text after answer last 10 | "
+           "EOS last 10 | garbled steps of the last 10 |", "|" + " --- |" * 7]
+    for name, s, planned in rows:
+        out.append(f"| {name} | {s['steps']}/{planned} | {_f(s['reward_last10'])} | {_f(s['unclosed_last10'])} | "
+                   f"{_f(s['trailing_last10'])} | {_f(s['eos_last10'])} | "
+                   f"{s['garbled_last10'] if s['steps'] else '-'} |")
     return "\n".join(out)
 
 

@@ -937,6 +937,10 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
         rows = [(p, SWEEP[p], s, r["steps"]) for r, s in zip(runs, stats) for p in [r["name"].rsplit("/", 1)[0]]]
         return protocol_report.sweep_table(rows)
     table = protocol_report.arms_table([(r["name"], s, r["steps"]) for r, s in zip(runs, stats)])
+    if stage in ("track", "track_confirm"):  # issue 41: a reward kept while the format degrades shows here
+        table += ("\n\nFormat of the last 10 steps (protocol_report.format_table; reported, not a decision "
+                  "measure):\n\n" + protocol_report.format_table([(r["name"], s, r["steps"])
+                                                                   for r, s in zip(runs, stats)]))
     if stage == "explore":
         return table
     # issue 41 item 3: how each calibrated run's calibrations measured, and where its bounds sat
