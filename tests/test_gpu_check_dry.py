@@ -192,6 +192,49 @@ def test_a_timeout_is_recorded_even_when_the_child_then_aborts(tmp_path, monkeyp
     assert res["partial"] == 1  # what the part had saved is kept
 
 
+def test_sigterm_to_the_runner_stops_its_part_and_writes_the_summary(tmp_path):
+    """run.sh's outer `timeout` (the backstop of the runner's deadline) sends SIGTERM to the runner only: the
+    part, in its own session, used to run on (on the GPU) while the runner died without its record. Now the
+    runner stops the part (which saves what it has), records it, marks the later parts not run, writes the
+    summary and exits 143."""
+    (tmp_path / "part_sleeps.py").write_text(
+        "import os, time\n"
+        "def run(ctx):\n"
+        "    ctx.res['partial'] = 1\n"
+        "    ctx.save()\n"
+        f"    open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(120)\n")
+    out = tmp_path / "out"
+    script = (f"import sys; sys.path.insert(0, {str(GPU)!r}); import runner\n"
+              "runner.PARTS.insert(0, ('sleeps', 100, 1, None)); runner.PART_NAMES.insert(0, 'sleeps')\n"
+              f"sys.argv = ['runner.py', '--dry-run', '--parts', 'sleeps,env', '--out', {str(out)!r}]\n"
+              "runner.main()\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        pid_file = tmp_path / "pid"
+        deadline = time.time() + 240  # the part's start: imports on a loaded 2-core machine
+        while not (pid_file.is_file() and pid_file.read_text()) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert pid_file.is_file(), proc.communicate(timeout=30)[0] if proc.poll() is not None else "no part start"
+        part_pid = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, text[-3000:]
+    with pytest.raises(ProcessLookupError):  # the part's process is gone, not orphaned
+        os.kill(part_pid, 0)
+    res = json.loads((out / "results.json").read_text())
+    assert res["sleeps"]["failed"].startswith("stopped by signal 15 to the runner"), res["sleeps"]
+    assert res["sleeps"]["partial"] == 1  # what the part had saved comes back
+    md = (out / "summary.md").read_text()
+    assert "| sleeps | FAILED |" in md and "| env | not run | | |" in md
+    assert "runner: stopped by signal 15; not run: ['env']" in text
+
+
 def test_budget_table_sums_to_the_default_and_fits_the_device_command():
     """One table: the parts the H200 runs (no TE, no vLLM) have caps summing to the runner's default budget,
     which run.sh takes (runner.py --print-budget, no number of its own), and with the time outside the

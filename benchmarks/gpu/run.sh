@@ -43,7 +43,8 @@ mkdir -p "$OUT"
     exit 1
   fi
   echo "python $PY, parts budget ${BUDGET}s"
-  # the runner keeps its own deadline; the timeout is the backstop
+  # the runner keeps its own deadline; the timeout is the backstop: on its SIGTERM the runner stops the running
+  # part (which saves what it has), writes the summary and exits 143 (runner.py's docstring)
   timeout -k 10 $(( BUDGET + 30 )) "$PY" benchmarks/gpu/runner.py --out "$OUT" --budget-s "$BUDGET" $DRY \
     "${PARTS_ARG[@]}"
   rc=$?

@@ -13,7 +13,11 @@ the parts before it left unused, never so much that a later part would get less 
 A child that raises, crashes
 or outlives its timeout is recorded (traceback, output tail, what it saved so far) and the next part
 runs. ``summary.md`` and ``results.json`` are rewritten after every part, so a run cut short still
-brings back everything measured before. Parts that need Transformer Engine or vLLM are skipped with
+brings back everything measured before. A SIGTERM to the runner itself (run.sh's outer ``timeout``, the
+backstop of the runner's own deadline) stops the running part the way its own timeout would (its process
+group gets SIGTERM, saves what it has, then SIGKILL within :data:`STOP_GRACE_S`), records it, marks the
+parts after it not run, writes the summary and exits 143: no part is left running on the GPU, and what it
+had saved comes back. Parts that need Transformer Engine or vLLM are skipped with
 that reason where those are not installed (the H200 has neither). Exit code: 0 when no part failed,
 2 when one did, 1 without CUDA outside a dry run (only ``env`` runs then).
 
@@ -103,6 +107,39 @@ class _Terminated(BaseException):
     """SIGTERM from the runner's timeout: the child records it and saves what it has."""
 
 
+POLL_S = 0.5
+"""How often :func:`_run_part` looks for the runner's SIGTERM while a part runs."""
+
+STOP_GRACE_S = 5.0
+"""Seconds a part gets to save after the runner's own SIGTERM before its group is killed: run.sh's outer
+``timeout -k 10`` kills the runner 10 s after its SIGTERM, and the summary is written after the part."""
+
+_STOP: dict = {"signal": None}
+"""The runner's SIGTERM (main process only): the signal number once one came. The handler only records it;
+:func:`_run_part` polls it while it waits on a part, and the loop of :func:`main` stops after the part (so
+no exception can land inside a part's clean-up or the summary's write)."""
+
+
+def _on_runner_term(signum, frame) -> None:
+    _STOP["signal"] = signum
+
+
+def _stop_group(proc: subprocess.Popen, grace: float) -> int:
+    """SIGTERM to the part's process group (it saves what it has), SIGKILL after ``grace`` s; its exit code."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return proc.wait()
+
+
 def missing_requirement(req: str | None, dry: bool) -> str | None:
     """Why a part cannot run here (None = it can): Transformer Engine or vLLM absent."""
     if req == "te" and importlib.util.find_spec("transformer_engine") is None:
@@ -176,17 +213,21 @@ def _run_part(name: str, timeout: float, dry: bool, out: Path, tmp: Path) -> dic
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)  # the child saves what it has
+        timed_out = stopped = False
+        end = time.time() + timeout
+        while True:
             try:
-                rc = proc.wait(timeout=10)
+                rc = proc.wait(timeout=max(min(POLL_S, end - time.time()), 0.01))
+                break
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
+                if _STOP["signal"] is not None:
+                    stopped = True
+                    rc = _stop_group(proc, STOP_GRACE_S)
+                    break
+                if time.time() >= end:
+                    timed_out = True
+                    rc = _stop_group(proc, 10)  # the child saves what it has
+                    break
     text = log.read_text(errors="replace")
     sys.stdout.write(f"----- {name} output\n{text[-20000:]}\n")
     try:
@@ -197,6 +238,9 @@ def _run_part(name: str, timeout: float, dry: bool, out: Path, tmp: Path) -> dic
     res["timeout_s"] = round(timeout)
     if timed_out:
         res["failed"] = f"timed out after {timeout:.0f}s (what it saved before is kept)"
+    elif stopped:
+        res["failed"] = (f"stopped by signal {_STOP['signal']} to the runner (run.sh's outer timeout?) "
+                         "(what it saved before is kept)")
     elif rc != 0 and status_of(res) != "FAILED":
         res["failed"] = f"child exit code {rc} (crashed: see output_tail)"
     if status_of(res) == "FAILED":
@@ -243,6 +287,7 @@ def main() -> None:
     spec = {p[0]: p for p in part_table(args.dry_run)}
     done: list = []
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    signal.signal(signal.SIGTERM, _on_runner_term)
     for i, name in enumerate(names):
         _, cap, least, req = spec[name]
         t0 = time.time()
@@ -260,6 +305,9 @@ def main() -> None:
         meta["elapsed_s"] = round(args.budget_s - (deadline - time.time()), 1)
         summary.write(out, title, done, names[i + 1:], meta)
         print(f"## {name}: {status_of(res)} ({res['part_seconds']:.1f}s) {summary.headline(name, res)}", flush=True)
+        if _STOP["signal"] is not None:
+            print(f"runner: stopped by signal {_STOP['signal']}; not run: {names[i + 1:]}", flush=True)
+            sys.exit(128 + _STOP["signal"])
     print("\n" + (out / "summary.md").read_text().split("\n## ")[0], flush=True)
     if no_gpu:
         sys.exit(1)
