@@ -154,39 +154,58 @@ def test_dry_run_runs_every_part(tmp_path):
 # below sleep far past it.
 TIMEOUT_S = 15.0
 
+_TIMED_OUT_PARTS = {
+    "sleeps": ("import time\n"
+               "def run(ctx):\n"
+               "    time.sleep(120)\n"),
+    # CI once saw the runner's SIGTERM raise inside native import code, which turned the exception into
+    # std::terminate (rc -6) before the child's except could record it: this part aborts on the raise
+    "abort_on_raise": ("import os, time\n"
+                       "def run(ctx):\n"
+                       "    ctx.res['partial'] = 1\n"
+                       "    ctx.save()\n"
+                       "    try:\n"
+                       "        time.sleep(120)\n"
+                       "    except BaseException:\n"
+                       "        os.abort()\n"),
+}
 
-def test_a_part_past_its_timeout_is_recorded_and_the_summary_written(tmp_path, monkeypatch):
-    (tmp_path / "part_sleeps.py").write_text(
-        "import time\n"
-        "def run(ctx):\n"
-        "    time.sleep(120)\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    res = runner._run_part("sleeps", TIMEOUT_S, True, tmp_path, tmp_path)
+
+@pytest.fixture(scope="module")
+def timed_out_parts(tmp_path_factory):
+    """The parts of ``_TIMED_OUT_PARTS`` run by the runner past their TIMEOUT_S, side by side (each waits on
+    its own child; together they cost one timeout of test time): ``(folder, {name: result})``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = tmp_path_factory.mktemp("timed_out_parts")
+    for name, code in _TIMED_OUT_PARTS.items():
+        (d / f"part_{name}.py").write_text(code)
+    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(len(_TIMED_OUT_PARTS)) as pool:
+        mp.setenv("PYTHONPATH", str(d))
+        futures = {n: pool.submit(runner._run_part, n, TIMEOUT_S, True, d, d) for n in _TIMED_OUT_PARTS}
+        return d, {n: f.result() for n, f in futures.items()}
+
+
+def test_a_part_past_its_timeout_is_recorded_and_the_summary_written(timed_out_parts):
+    d, results = timed_out_parts
+    res = results["sleeps"]
     assert runner.status_of(res) == "FAILED"
     assert res["failed"].startswith("timed out after 15s")
     assert "_Terminated" in res.get("error", "")  # the child saved what it had when the runner's SIGTERM came
-    summary.write(tmp_path, "# t", [("sleeps", "FAILED", res)], ["grpo"], {"dry_run": True})
-    md = (tmp_path / "summary.md").read_text()
+    out = d / "summary"
+    out.mkdir()
+    summary.write(out, "# t", [("sleeps", "FAILED", res)], ["grpo"], {"dry_run": True})
+    md = (out / "summary.md").read_text()
     assert "| sleeps | FAILED |" in md and "| grpo | not run | | |" in md
-    assert "timed out" in json.loads((tmp_path / "results.json").read_text())["sleeps"]["failed"]
-    assert (tmp_path / "tracebacks.txt").is_file()
+    assert "timed out" in json.loads((out / "results.json").read_text())["sleeps"]["failed"]
+    assert (out / "tracebacks.txt").is_file()
 
 
-def test_a_timeout_is_recorded_even_when_the_child_then_aborts(tmp_path, monkeypatch):
+def test_a_timeout_is_recorded_even_when_the_child_then_aborts(timed_out_parts):
     """CI once saw the runner's SIGTERM raise inside native import code, which turned the exception into
     std::terminate (rc -6) before the child's except could record it. The handler now saves the timeout
     first: a part that aborts on the raise (what such a native frame does) still leaves the record."""
-    (tmp_path / "part_abort_on_raise.py").write_text(
-        "import os, time\n"
-        "def run(ctx):\n"
-        "    ctx.res['partial'] = 1\n"
-        "    ctx.save()\n"
-        "    try:\n"
-        "        time.sleep(120)\n"
-        "    except BaseException:\n"
-        "        os.abort()\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    res = runner._run_part("abort_on_raise", TIMEOUT_S, True, tmp_path, tmp_path)
+    res = timed_out_parts[1]["abort_on_raise"]
     assert res["child_rc"] == -6 and res["failed"].startswith("timed out after 15s")
     assert res["error"].startswith("_Terminated: signal 15") and "time.sleep(120)" in res["traceback"]
     assert res["partial"] == 1  # what the part had saved is kept
