@@ -470,6 +470,12 @@ class StabilityConfig:
     Sampling that matches the model gives the model's own tail mass: 3.3% for zero-shot SmolLM2-135M at
     temperature 1 on chain_sum (the most diffuse real case; 1741 tokens), 98% for tokens drawn uniformly
     from its vocabulary."""
+    unclosed_answer_threshold: float = 0.5
+    """Garbled output when more than this share of a step's final answers was read from an answer tag that is
+    never closed (``reward/unclosed_answer``, for tasks that report it: ``reasoning_gym``, whose lenient parse
+    still scores such answers). Issue 41's 2x-lr confirmation runs measured at most 0.125 at any step, but
+    recompute + TIS on its seed 22 drifted to ``<answer>3.0</`` followed by repeated junk: above 0.5 at 74 of
+    its 100 steps, while its reward recovered (docs/results.md)."""
     action: str = "warn"
     """warn | stop | none: on a step flagged unstable (surge or garbled), log a warning; ``stop``
     also checkpoints and stops the run after ``patience`` consecutive flagged steps (exit code 3)."""
@@ -689,7 +695,8 @@ def check_values(cfg: TrainConfig) -> TrainConfig:
     if not (0 <= st.invalid_threshold < 1):
         raise ConfigError(f"stability.invalid_threshold={st.invalid_threshold} must be in [0, 1) "
                           "(the invalid-response rate above which a step counts as garbled)")
-    for key in ("repetitive_threshold", "nonprintable_threshold", "replacement_threshold", "unlikely_threshold"):
+    for key in ("repetitive_threshold", "nonprintable_threshold", "replacement_threshold", "unlikely_threshold",
+                "unclosed_answer_threshold"):
         if not 0 <= getattr(st, key) < 1:
             raise ConfigError(f"stability.{key}={getattr(st, key)} must be in [0, 1) (the share of a step above "
                               "which it counts as garbled)")

@@ -556,13 +556,19 @@ class RLTrainer:
 
         ``stability/garbled = 1`` if ``rollout/invalid_frac > stability.invalid_threshold`` (the task's parser)
         or a text-level share exceeds its threshold (``stability/{repetitive,nonprintable,replacement,
-        unlikely}_frac`` against ``stability.{repetitive,nonprintable,replacement,unlikely}_threshold``);
+        unlikely}_frac`` against ``stability.{repetitive,nonprintable,replacement,unlikely}_threshold``, and
+        ``reward/unclosed_answer`` against ``stability.unclosed_answer_threshold`` for tasks that report it);
         ``stability/unstable_steps`` counts consecutive steps with a surge or garbled output.
         """
         st = self.cfg.stability
         signals = degenerate_signals(out, repetitive_frac=st.repetitive_threshold,
                                      nonprintable_frac=st.nonprintable_threshold,
                                      replacement_frac=st.replacement_threshold, unlikely_frac=st.unlikely_threshold)
+        values = {n: out[f"stability/{n}"] for n in signals}
+        unclosed = out.get("reward/unclosed_answer")
+        if unclosed is not None and math.isfinite(unclosed) and unclosed > st.unclosed_answer_threshold:
+            signals.append("unclosed_answer")  # answers the lenient parse scores while the format degrades
+            values["unclosed_answer"] = unclosed
         invalid = out.get("rollout/invalid_frac", 0.0) > st.invalid_threshold
         garbled = invalid or bool(signals)
         surge = out.get("stability/entropy_surge", 0.0) > 0
@@ -579,7 +585,7 @@ class RLTrainer:
                 " and ".join(w for w, f in (("entropy surge", surge), ("garbled output", garbled)) if f),
                 out.get("policy/entropy", math.nan), out.get("stability/entropy_ratio", math.nan),
                 100 * out.get("rollout/invalid_frac", math.nan),
-                ", ".join(f"{n} {out[f'stability/{n}']:.3f}" for n in signals) or "none",
+                ", ".join(f"{n} {values[n]:.3f}" for n in signals) or "none",
                 self.unstable_steps, st.window)
 
     def _make_loss(self, lower: float, upper: float, first_minibatch: bool):

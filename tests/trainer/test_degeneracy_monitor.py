@@ -59,6 +59,22 @@ def test_the_monitor_flags_text_signals_like_the_invalid_rate(caplog):
         fake.unstable_steps = 0  # each case starts a streak (the warning is written at its first step)
 
 
+def test_the_monitor_flags_answers_in_tags_never_closed(caplog):
+    """A task's ``reward/unclosed_answer`` (answers its lenient parse scores from a tag never closed) above
+    ``stability.unclosed_answer_threshold`` sets ``stability/garbled`` and the warning names it; at the
+    threshold, or for a task that does not report it, the step stays quiet."""
+    fake = SimpleNamespace(cfg=TrainConfig(), unstable_steps=0, step_idx=3)
+    limit = fake.cfg.stability.unclosed_answer_threshold
+    for out in ({"rollout/invalid_frac": 0.0}, {"rollout/invalid_frac": 0.0, "reward/unclosed_answer": limit}):
+        RLTrainer._stability(fake, out)
+        assert out["stability/garbled"] == 0.0 and fake.unstable_steps == 0, out
+    out = {"rollout/invalid_frac": 0.0, "reward/unclosed_answer": 0.94, "stability/repetitive_frac": 0.5}
+    with caplog.at_level(logging.WARNING, logger="nemo_fp8rl.trainer.rl_trainer"):
+        RLTrainer._stability(fake, out)
+    assert out["stability/garbled"] == 1.0 and fake.unstable_steps == 1
+    assert "repetitive_frac 0.500, unclosed_answer 0.940" in caplog.text, caplog.text
+
+
 def test_garbled_text_a_lenient_parser_accepts_is_flagged_and_stops_the_run(tmp_path):
     """Every response decodes to "????////..." and the task accepts it: the invalid rate is 0, the text
     monitor flags every step, and ``stability.action=stop`` stops after ``patience`` steps with a checkpoint."""
@@ -102,6 +118,7 @@ def test_calibration_steps_measure_unlikely_tokens_with_the_shadow_forward(tmp_p
     ("repeat_min_chars", 1, "stability.repeat_min_chars=1 must be >= 2"),
     ("repeat_min_frac", 1.5, "stability.repeat_min_frac=1.5 in [0, 1]"),
     ("unlikely_prob", 0.0, "stability.unlikely_prob=0.0 must be in (0, 1)"),
+    ("unclosed_answer_threshold", 1.0, "stability.unclosed_answer_threshold=1.0 must be in [0, 1)"),
 ])
 def test_bad_thresholds_are_refused_naming_the_key(key, value, msg):
     cfg = TrainConfig()
