@@ -473,8 +473,8 @@ class StabilityConfig:
     unclosed_answer_threshold: float = 0.5
     """Garbled output when more than this share of a step's final answers was read from an answer tag that is
     never closed (``reward/unclosed_answer``, for tasks that report it: ``reasoning_gym``, whose lenient parse
-    still scores such answers). Issue 41's 2x-lr confirmation runs measured at most 0.125 at any step, but
-    recompute + TIS on its seed 22 drifted to ``<answer>3.0</`` followed by repeated junk: above 0.5 at 74 of
+    still scores such answers). The other finished runs of issue 41's 2x-lr confirmation measured at most
+    0.125 at any step; recompute + TIS on its seed 22 drifted to ``<answer>3.0</`` followed by repeated junk: above 0.5 at 74 of
     its 100 steps, while its reward recovered (docs/results.md)."""
     action: str = "warn"
     """warn | stop | none: on a step flagged unstable (surge or garbled), log a warning; ``stop``
