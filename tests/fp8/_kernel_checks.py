@@ -355,17 +355,21 @@ def test_rowwise_one_layout_strided_input_and_weight_padding(ops):
 
 
 def test_rowwise_every_launch_configuration_writes_the_same_bits(ops):
-    """The GPU tunes the amax launch and the cast launch separately (cast_transpose._config): every pair of
-    candidates writes the same bytes, partial tiles and the padding columns included (float32 scales, so a
-    wrong amax shows in the scales: a power of two would hide it within a binade)."""
+    """The GPU tunes the amax launch and the cast launch separately (cast_transpose._config): every candidate
+    of each writes the same bytes, partial tiles and the padding columns included (float32 scales, so a
+    wrong amax shows in the scales: a power of two would hide it within a binade). The two launches meet only
+    in the amax buffer, which the first writes and the second reads, so each amax candidate is checked with
+    one cast tiling and each cast candidate with one amax tiling (2n - 1 pairs of launches, not n^2: a wrong amax
+    buffer fails with any cast tiling, a wrong cast with any amax tiling)."""
     from nemo_fp8rl.fp8.kernels import reference as ref
 
     x = _row_edge(261, 200, torch.bfloat16, "inf")
     want = ref.rowwise_layouts(x, "e4m3", pow2=False)
-    for amax_cfg in ops.TENSOR_CONFIGS:
-        for cast_cfg in ops.TENSOR_CONFIGS:
-            got = ops.cast_transpose_rowwise(x, "e4m3", pow2=False, _tiles=cast_cfg, _amax_tiles=amax_cfg)
-            assert ref.same_bytes(got, want), (amax_cfg, cast_cfg)
+    first, *rest = ops.TENSOR_CONFIGS
+    pairs = [(amax_cfg, first) for amax_cfg in ops.TENSOR_CONFIGS] + [(first, cast_cfg) for cast_cfg in rest]
+    for amax_cfg, cast_cfg in pairs:
+        got = ops.cast_transpose_rowwise(x, "e4m3", pow2=False, _tiles=cast_cfg, _amax_tiles=amax_cfg)
+        assert ref.same_bytes(got, want), (amax_cfg, cast_cfg)
 
 
 # ------------------------------------------------------------------------------------------------------
