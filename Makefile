@@ -11,6 +11,8 @@ PYTEST_ARGS ?=
 # intra-op thread unless OMP_NUM_THREADS is set. Most tests start subprocesses or wait on
 # torchrun/vLLM start-up, single-threaded work, so on CI's 2 cores this nearly halves the wall time
 # (2026-12-02, same machine: 1518 s in one process, 875 s with 2 workers). TEST_WORKERS=0: one process.
+# More workers than cores buys nothing: on 2026-12-07 3 workers took 1093 s of pytest on the 2-core EPYC against
+# 1005 and 1144 s for two runs with 2 (the suite is CPU-bound: about 33 CPU-minutes either way).
 TEST_WORKERS ?= 2
 # As root (CI containers), `make test` first starts a one-node SLURM cluster for the `slurm`-marked tests
 # (scripts/slurm_local.sh; best effort: if it cannot start, those tests skip with the reason). SLURM=0 skips it.
