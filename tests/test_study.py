@@ -550,8 +550,9 @@ def test_calibration_batch_stats_and_seeds_for_gap():
 
 
 def test_format_of_the_last_10_steps():
-    """Issue 41: run_stats' format of the last 10 steps (unclosed answers, text after the answer, EOS share,
-    garbled steps) reads only those steps, and format_table prints them, '-' for a run with no steps."""
+    """Issue 41: run_stats' format of the last 10 steps (unclosed answers, text after the answer, the share
+    ended before the length limit, garbled steps) reads only those steps, and format_table prints them, '-'
+    for a run with no steps."""
     sys.path.insert(0, str(RUN_STUDY.parent))
     import protocol_report as pr
 

@@ -25,8 +25,8 @@ means over the step's responses):
 * the format of the last 10 steps (:func:`format_table`; issue 41, reported beside the reward, not a decision
   measure): ``unclosed``, the mean ``reward/unclosed_answer`` (answers read from a ``<answer>`` never closed,
   which only the task's lenient parse scores); ``trailing``, the mean ``reward/trailing_text`` (text after
-  the closing tag); ``eos``, the mean ``rollout/eos_frac`` (responses that ended with EOS, not at the length
-  limit); ``garbled last 10``, the steps of those 10 with ``stability/garbled`` set. A policy can keep its
+  the closing tag); ``ended``, the mean ``rollout/eos_frac`` (responses that ended before the length limit: on
+  EOS or, with ``rollout.stop``, on a stop string); ``garbled last 10``, the steps of those 10 with ``stability/garbled`` set. A policy can keep its
   reward while these degrade (recompute + TIS on seed 22 of the 2xlr confirmation).
 
 The confirmation's paired comparison: per seed, the difference of two arms' ``last10`` reward (the primary
@@ -356,9 +356,10 @@ def arms_table(rows: list[tuple[str, dict, int]]) -> str:
 
 def format_table(rows: list[tuple[str, dict, int]]) -> str:
     """``rows``: (run name, run_stats, planned steps). The format of each run's last 10 steps (module
-    docstring): shares of unclosed answers, text after the answer, responses ended by EOS, and garbled steps."""
+    docstring): shares of unclosed answers, text after the answer, responses ended before the length limit, and garbled
+    steps."""
     out = ["| run | steps | reward last 10 | unclosed answer last 10 | text after answer last 10 | "
-           "EOS last 10 | garbled steps of the last 10 |", "|" + " --- |" * 7]
+           "ended (EOS or stop string) last 10 | garbled steps of the last 10 |", "|" + " --- |" * 7]
     for name, s, planned in rows:
         out.append(f"| {name} | {s['steps']}/{planned} | {_f(s['reward_last10'])} | {_f(s['unclosed_last10'])} | "
                    f"{_f(s['trailing_last10'])} | {_f(s['eos_last10'])} | "
