@@ -146,30 +146,49 @@ class DemoRuns:
     """The demo's three arms trained once each through the real CLI, on first use (``demo_runs[arm]`` is
     the run directory ``<root>/<arm>``; ``demo_runs.stderr(arm)`` what the CLI printed). The settings are
     ``tests/trainer/_cli.py``'s :func:`demo_overrides`. The runs are shared: read them, or copy one
-    (``shutil.copytree``) before resuming, extending or otherwise writing to it."""
+    (``shutil.copytree``) before resuming, extending or otherwise writing to it.
+
+    Under pytest-xdist the root is shared by all workers of the session: an arm is trained by the first
+    worker that asks for it (a lock file per arm), the others wait for it and read the same run. (With
+    ``--dist loadfile`` the five files that read the arms land on both workers, and each worker trained them.)"""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.warmup_cache = root / ".warmup_cache"
-        """The arms' warm-up cache (``warmup.cache_dir=``): a run of the same model and task reuses it."""
-        self._stderr: dict[str, str] = {}
+        """The arms' warm-up cache (``warmup.cache_dir=``): a run of the same model and task reuses it
+        (written atomically, so two workers training different arms share it safely)."""
 
     def __getitem__(self, arm: str) -> Path:
-        if arm not in self._stderr:
-            cli = _trainer_cli()
-            self._stderr[arm] = cli.run_cli(self.root / arm, *cli.demo_overrides(arm)).stderr
+        import fcntl
+
+        done = self.root / f"{arm}.stderr"  # written after the run succeeded: the arm is complete
+        if not done.is_file():
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / f"{arm}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the run fails
+                if not done.is_file():
+                    shutil.rmtree(self.root / arm, ignore_errors=True)  # what a failed attempt left
+                    cli = _trainer_cli()
+                    stderr = cli.run_cli(self.root / arm, *cli.demo_overrides(arm)).stderr
+                    tmp = done.with_suffix(".tmp")
+                    tmp.write_text(stderr)
+                    tmp.replace(done)
         return self.root / arm
 
     def stderr(self, arm: str) -> str:
         self[arm]
-        return self._stderr[arm]
+        return (self.root / f"{arm}.stderr").read_text()
 
 
 @pytest.fixture(scope="session")
 def demo_runs(tmp_path_factory) -> DemoRuns:
     """bf16, fp8 and fp8_calibrated on the tiny model (``make demo``'s arms at test size), each trained by
-    the CLI at most once per session and only if a test asks for it; the arms share one warm-up cache."""
-    return DemoRuns(tmp_path_factory.mktemp("demo"))
+    the CLI at most once per session (across pytest-xdist workers too) and only if a test asks for it; the
+    arms share one warm-up cache."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # no xdist: this process's own temporary folder
+        return DemoRuns(tmp_path_factory.mktemp("demo"))
+    # the session's base folder, above each worker's own (pytest-xdist's documented way to share a fixture)
+    return DemoRuns(tmp_path_factory.getbasetemp().parent / "demo")
 
 
 TRAINER_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
