@@ -129,6 +129,8 @@ def _no_process_group_across_modules():
     yield
     if importlib.util.find_spec("megatron") is None:
         return  # no Megatron here (a bare GPU image running a few files): no trainer could have started one
+    if "nemo_fp8rl.models.parallel" not in sys.modules and "megatron.core.parallel_state" not in sys.modules:
+        return  # nothing started a group (importing them to find that out took ~4 s of megatron start-up)
     from nemo_fp8rl.models.parallel import destroy_distributed
 
     destroy_distributed()
