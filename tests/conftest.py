@@ -130,7 +130,8 @@ def _no_process_group_across_modules():
     if importlib.util.find_spec("megatron") is None:
         return  # no Megatron here (a bare GPU image running a few files): no trainer could have started one
     if "nemo_fp8rl.models.parallel" not in sys.modules and "megatron.core.parallel_state" not in sys.modules:
-        return  # nothing started a group (importing them to find that out took ~4 s of megatron start-up)
+        return  # nothing started a group; importing them to find out cost megatron's start-up (12.6 s of
+        # the AVX2 pass's first teardown, 2026-12-07, on a loaded 2-core machine)
     from nemo_fp8rl.models.parallel import destroy_distributed
 
     destroy_distributed()

@@ -4,7 +4,8 @@ scancel, which checkpoints and does not requeue.
 
 The stage's plain run through sbatch (3 steps, DP=2) was a test of its own until 2026-12-07; the preemption
 test runs the same stage through sbatch to its end and now asserts what that one did (job name, 2 tasks,
-ranks from srun's SLURM variables, config and log files): one SLURM job fewer, about 100 s of CI."""
+ranks from srun's SLURM variables, config and log files): one SLURM job fewer (it took 102 s of one
+worker in a full run beside other jobs). What went with it: 2 tasks as DP=2 through SLURM (TP=2 remains)."""
 
 from __future__ import annotations
 
