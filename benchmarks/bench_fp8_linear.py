@@ -64,8 +64,6 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
@@ -77,6 +75,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from nemo_fp8rl import machine
 from nemo_fp8rl.fp8 import Fp8Linear, fused, get_recipe
 from nemo_fp8rl.fp8.linear import Fp8LinearState, quantize_operand
 from nemo_fp8rl.fp8.quantize import quantize
@@ -430,22 +429,6 @@ def bench_linear(shapes: str, recipes: Sequence[str], modes: Sequence[str], repe
 
 
 # ----------------------------------------------------------------------------------------------- main
-def cpu_description() -> str:
-    """CPU model and the vector/matrix extensions that decide CPU quantizer speed."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("unknown CPU", platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
-    return f"{model} ({len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} CPUs; " \
-           f"{' '.join(ext) if ext else 'no avx2/avx512/amx'})"
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=None,
@@ -486,7 +469,7 @@ def run(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     layers = parse_layers(shapes)
 
-    print(f"{datetime.date.today().isoformat()}  {cpu_description()}")
+    print(f"{datetime.date.today().isoformat()}  {machine.describe_line(torch.get_num_threads())}")
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, threads {torch.get_num_threads()}, "
           f"dtype {args.dtype}, repeats {repeats} (median, interleaved), compile {args.compile}")
     print("layers (K x N): " + ", ".join(f"{n}={k}x{nn}" for n, k, nn in layers) + f"; tokens M: {tokens}")

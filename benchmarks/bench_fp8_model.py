@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from nemo_fp8rl import machine
+
 
 def load_model(spec: str) -> torch.nn.Module:
     """``registry:<name>`` (a fetched registry model), a Hugging Face directory, or ``tiny``."""
@@ -79,7 +81,7 @@ def main() -> None:
             out.loss.backward()
             model.zero_grad(set_to_none=True)  # the arms share the parameters: free the grads each time
 
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}, "
+    print(f"{machine.describe_line(torch.get_num_threads())}; model {args.model}, "
           f"batch {args.batch}x{args.seq}, rounds {args.rounds} (+1 warm-up, compiles included there)")
     t0 = time.perf_counter()
     for name, (m, mode) in arms.items():  # warm-up round: compiles, allocator

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from nemo_fp8rl import machine
 from nemo_fp8rl.config.model import ModelConfig
 from nemo_fp8rl.rollout import SamplingParams, get_rollout_engine
 from nemo_fp8rl.rollout.model import ModelShape, expected_hf_shapes
@@ -62,17 +62,6 @@ def random_weights(cfg: ModelConfig, seed: int = 0, logit_scale: float = 1.0) ->
         else:
             sd[k] = torch.randn(s, generator=g) / s[1] ** 0.5 * (logit_scale if k == "lm_head.weight" else 1.0)
     return sd
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux: the platform's own (often empty) answer
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -123,7 +112,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     import vllm  # installed: the vllm engine above imported it
 
-    print(f"{_cpu_name()}, {os.cpu_count()} CPUs; torch {torch.__version__}, vllm {vllm.__version__}")
+    print(f"{machine.describe_line(torch.get_num_threads())}, vllm {vllm.__version__}")
     print(f"model {args.model}: {n_params / 1e6:.2f}M parameters, prompt {args.prompt_len} tokens, "
           f"threads {torch.get_num_threads()}, fastest of {args.repeats} (after 1 warm-up)")
     print(f"{'batch':>6} {'resp':>5} {'torch tok/s':>12} {'vllm tok/s':>11} {'vllm/torch':>10}")

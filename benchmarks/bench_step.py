@@ -44,6 +44,7 @@ import time
 
 import torch
 
+from nemo_fp8rl import machine
 from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.trainer import RLTrainer, run_warmup
 
@@ -140,7 +141,7 @@ def main_real(args) -> None:
     for tr in trainers.values():
         tr.close()
     print(f"demo-real GRPO step (SmolLM2-135M, chain_sum), {args.steps} steps per arm after step 0, interleaved, "
-          f"torch threads {torch.get_num_threads()}, total {time.time() - t0:.0f}s")
+          f"total {time.time() - t0:.0f}s; {machine.describe_line(torch.get_num_threads())}")
     print(f"{'phase (mean s)':<16}" + "".join(f"{n:>18}" for n in arms))
     print("\n".join(phase_rows(times, arms, fmt=">18.2f")))
     for k in SIZE_KEYS:  # the work each arm's steps did: differing sizes confound the time ratios
@@ -199,7 +200,7 @@ def main() -> None:
     for tr in arms.values():
         tr.task.close()
     print(f"tiny GRPO step, fp8={args.recipe}, {args.steps} steps per arm interleaved, calibration interval "
-          f"{args.interval}, torch threads {torch.get_num_threads()}, total {time.time() - t0:.0f}s")
+          f"{args.interval}, total {time.time() - t0:.0f}s; {machine.describe_line(torch.get_num_threads())}")
     print(f"{'phase (mean s)':<16}" + "".join(f"{n:>12}" for n in arms))
     print("\n".join(phase_rows(times, arms)))
     fixed = statistics.mean(times["fixed"]["step"])

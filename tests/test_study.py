@@ -105,6 +105,9 @@ def test_long_group_runs_resumes_and_summarizes(tmp_path):
     assert "resumed from" in log and "checkpoint saved at step" in log
     attempt = json.loads((bf16 / "study_run.json").read_text())["attempts"][-1]
     assert attempt["from_step"] == 2 and attempt["rc"] == 7 and attempt["stopped_by_signal"] == signal.SIGTERM
+    # each part of a run says where it ran (a resumed run may continue on another machine)
+    assert attempt["machine"]["cpus"] >= 1 and attempt["machine"]["torch"] and attempt["machine"]["torch_threads"] == 1
+    assert (bf16 / "train.log").read_text().count(" machine: ") == 2  # the first part and the resumed one
 
 
 def test_summarize_keeps_sections_whose_runs_are_not_in_the_study_dir():

@@ -55,8 +55,8 @@ steps, so every arm logs ``calib/neg_push`` (nemo_fp8rl/algorithms/push.py) on t
 * is *resumed* from its newest checkpoint when one is on disk (``resume=true``; checkpoints every
   ``--checkpoint-every`` steps of the protocol, ``trainer.keep_last=1`` always), else *restarted*;
 * has its settings written to ``<run>/study_run.json`` (stage, name, seed, steps, overrides, command, and
-  each attempt: start, step resumed from, code commit, wall time, exit code); a run directory whose
-  recorded overrides differ from the plan's is refused, not mixed;
+  each attempt: start, step resumed from, code commit, machine (CPU, its AVX-512/AMX flags, torch), wall
+  time, exit code); a run directory whose recorded overrides differ from the plan's is refused, not mixed;
 * is *stopped at a checkpoint* when the study gets SIGTERM, SIGINT or SIGUSR1 (:class:`Stop`): the running
   trainers get SIGTERM, checkpoint and exit, no new run starts, and the study exits non-zero (exit code 7
   for those runs); the same command resumes them;
@@ -123,6 +123,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from nemo_fp8rl import machine
 from nemo_fp8rl.demo import REAL, sample_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -857,7 +858,7 @@ def execute(run: dict, out: Path, steps: int, log_dir: Path, extra: list[str],
     meta_path = d / "study_run.json"
     attempts = json.loads(meta_path.read_text()).get("attempts", []) if meta_path.is_file() else []
     attempt = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "from_step": latest_checkpoint(d) or 0,
-               "code_commit": _code_commit()}
+               "code_commit": _code_commit(), "machine": machine.describe(torch_threads=1)}  # OMP_NUM_THREADS=1 below
 
     def write_meta():
         meta_path.write_text(json.dumps(

@@ -243,7 +243,7 @@ class TorchRolloutEngine:
         self.weights_version += 1
         if self.weights_version == 1:
             stats = self.weights.linear_stats
-            gemm = "emulated GEMMs"
+            gemm = "emulated GEMMs" if self.scheme.enabled else "unquantized GEMMs"
             if self.fp8_gemm == "torch" and self.scheme.enabled:
                 real = sum(1 for r in stats.values() if r.get("gemm") == "torch")
                 why = sorted({r["fallback"] for r in stats.values() if "fallback" in r})
@@ -251,10 +251,13 @@ class TorchRolloutEngine:
             hp = self.high_precision_layers
             # a warning only when FP8 linears that could run on torch's FP8 GEMMs fell back (scheme off has none)
             fell_back = self.fp8_gemm == "torch" and self.scheme.enabled and any("fallback" in r for r in stats.values())
+            n_fp8 = len(stats) - 4 * len(hp) if self.scheme.enabled else len(stats)
             (log.warning if fell_back else log.info)(
-                "rollout engine 'torch': FP8 scheme %s quantizes %d linear weights per sync (fused qkv and "
+                "rollout engine 'torch': FP8 scheme %s %s (fused qkv and "
                 "gate_up per layer; %s); embeddings, norms and the LM head stay %s%s; KV cache %s",
-                self.scheme_name, len(stats) - 4 * len(hp), gemm, self.dtype,
+                self.scheme_name,
+                f"quantizes {n_fp8} linear weights per sync" if self.scheme.enabled else
+                f"(no FP8): {n_fp8} linear weights synced in {self.dtype}", gemm, self.dtype,
                 f", and layers {list(hp)} (high-precision edge layers)" if hp else "",
                 "in " + str(self.dtype) if self.kv is None else
                 f"FP8 {self.kv.fmt.upper()} (vLLM's {self.kv.kernel} rules, query quantized: "

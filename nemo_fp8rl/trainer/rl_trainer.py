@@ -50,6 +50,7 @@ from nemo_fp8rl.config.schema import TrainConfig
 from nemo_fp8rl.fp8 import collect_fp8_stats
 from nemo_fp8rl.fp8 import fused
 from nemo_fp8rl.fp8.recipes import build_fp8_recipe, resolve_auto_recipe
+from nemo_fp8rl import machine
 from nemo_fp8rl.models.parallel import comm_device
 from nemo_fp8rl.trainer.calibration_pass import make_calibration_pass
 from nemo_fp8rl.rollout.fp8_setup import rollout_fp8_setup
@@ -297,6 +298,10 @@ class RLTrainer:
             self._log_file = logging.FileHandler(self.out / "train.log")
             self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             logging.getLogger().addHandler(self._log_file)
+            # where this part of the run ran: a resumed run may continue on another machine (other kernels)
+            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+            logger.info("machine: %s; world size %d", machine.describe_line(torch.get_num_threads(), gpu),
+                        dist.get_world_size() if dist.is_initialized() else 1)
         self.logger = MetricsLogger(
             self.cfg.output_dir, tensorboard=self.cfg.logger.tensorboard, progress=self.cfg.logger.progress,
             max_steps=self.cfg.trainer.max_steps, start_step=start, enabled=self.rank == 0,

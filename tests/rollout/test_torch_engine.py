@@ -3,6 +3,7 @@ EOS handling, weight sync and its FP8 re-quantization."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 
@@ -366,6 +367,19 @@ def test_bad_stream_raises_and_keeps_the_old_weights():
     assert eng.weights_version == 1 and torch.equal(eng.forward(t), before)  # nothing half-loaded
     eng.update_weights((k, sd[k]) for k in order)
     assert eng.weights_version == 2 and not torch.equal(eng.forward(t), before)
+
+
+def test_first_sync_log_says_what_the_scheme_does(caplog):
+    """The first sync's line names the quantized weights, and with the scheme off says there are none."""
+    cfg = ModelConfig(**CONFIGS["qwen2"])
+    sd = random_hf_weights(cfg, seed=7)
+    for scheme, says in (("vllm_w8a8", f"FP8 scheme vllm_w8a8 quantizes {4 * cfg.num_layers} linear weights per sync"),
+                         ("off", f"FP8 scheme off (no FP8): {4 * cfg.num_layers} linear weights synced in")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="nemo_fp8rl.rollout.torch_engine"):
+            get_rollout_engine("torch", cfg, fp8_scheme=scheme, eos_id=EOS, pad_id=PAD).update_weights(sd)
+        assert says in caplog.text, caplog.text
+        assert ("unquantized GEMMs" in caplog.text) == (scheme == "off")
 
 
 def test_sync_requantizes_fused_weights_per_tensor():
