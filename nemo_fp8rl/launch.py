@@ -111,6 +111,9 @@ def launch(plans, *, out=print) -> int:
         out(f"  training config:   {paths['train_config']}")
         label = "submission script:" if plan.cluster_type == "slurm" else "local script:"
         out(f"  {label:<19}{paths['script']}")
+        if "nsys_wrapper" in paths:
+            out(f"  nsys wrapper:      {paths['nsys_wrapper']} (ranks {list(plan.nsys_ranks)} under nsys profile; "
+                f"reports in {plan.results_dir / 'profile'})")
         if plan.memory is not None:
             out(f"  memory plan:       {plan.memory.summary()}")
         if plan.dry_run:

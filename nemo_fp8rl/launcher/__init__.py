@@ -36,6 +36,7 @@ from nemo_fp8rl.launcher.plan import (
 )
 from nemo_fp8rl.launcher.scripts import (
     render_local_script,
+    render_nsys_wrapper,
     render_sbatch_script,
     render_train_config,
     sbatch_directives,
@@ -59,6 +60,7 @@ __all__ = [
     "plan_config",
     "plan_table",
     "render_local_script",
+    "render_nsys_wrapper",
     "render_sbatch_script",
     "render_train_config",
     "run_local",

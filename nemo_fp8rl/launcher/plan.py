@@ -12,7 +12,9 @@ job is queued (a job that fails its own config check after an hour in the queue 
   (:func:`nemo_fp8rl.models.parallel.validate_layout`), ``algorithm.prompts_per_step`` splits over DP,
   and GPU stages start one task per GPU;
 - GPU stages fit the GPU: the memory plan (:mod:`nemo_fp8rl.launcher.memory`) of the stage's config,
-  recipe and optimizer on ``launcher.memory_plan`` (a GPU name, default h100, or its GiB; ``off`` skips).
+  recipe and optimizer on ``launcher.memory_plan`` (a GPU name, default h100, or its GiB; ``off`` skips);
+- ``trainer.profile.ranks`` are ranks of the job, and ``trainer.profile.kind=nsys`` is a GPU stage (its
+  ranks then run under Nsight Systems: :func:`nemo_fp8rl.launcher.scripts.render_nsys_wrapper`).
 """
 
 from __future__ import annotations
@@ -115,6 +117,10 @@ class StagePlan:
     dry_run: bool
     train: Any = field(repr=False)  # nemo_fp8rl.config.schema.TrainConfig (validated)
     memory: Any = field(default=None, repr=False)  # nemo_fp8rl.launcher.memory.MemoryPlan (GPU stages)
+    nsys: str = "nsys"
+    """``launcher.nsys``: the Nsight Systems command on the compute nodes (``trainer.profile.kind=nsys``)."""
+    nsys_args: tuple[str, ...] = ()
+    """``launcher.nsys_args``: options added to ``nsys profile`` after the launcher's own."""
 
     @property
     def job_name(self) -> str:
@@ -156,6 +162,17 @@ class StagePlan:
     @property
     def local_script_path(self) -> Path:
         return self.results_dir / f"{self.job_name}_local.sh"
+
+    @property
+    def nsys_ranks(self) -> tuple[int, ...]:
+        """Ranks that run under Nsight Systems: ``trainer.profile.ranks`` with ``kind=nsys``, else none."""
+        prof = self.train.trainer.profile
+        return tuple(sorted(set(prof.ranks))) if prof.kind == "nsys" else ()
+
+    @property
+    def nsys_wrapper_path(self) -> Path:
+        """The per-rank wrapper that starts the profiled ranks under ``nsys profile`` (written only then)."""
+        return self.results_dir / f"{self.job_name}_nsys.sh"
 
     def log_path(self, ext: str) -> Path:
         """SLURM log file pattern (``%j`` = job id; a requeued run appends to the same files)."""
@@ -444,6 +461,26 @@ def _check_layout(run: RunSettings, train, model, stage: str, cluster_type: str)
         )
 
 
+def _check_profile(run: RunSettings, train, stage: str) -> None:
+    """``trainer.profile`` against the job: its ranks exist, and Nsight Systems profiles GPU stages only.
+
+    The trainer refuses the same at start-up (:class:`nemo_fp8rl.trainer.profiling.StepProfiler`); here it
+    stops the launch before the job waits in the queue."""
+    prof = train.trainer.profile
+    if prof.kind is None:
+        return
+    world = run.nodes * run.ntasks_per_node
+    missing = sorted(r for r in prof.ranks if r >= world)
+    if missing:
+        raise LaunchError(f"{stage}.trainer.profile.ranks={list(prof.ranks)}: the job has {world} rank(s) "
+                          f"({stage}.run.nodes x {stage}.run.ntasks_per_node), so {missing} would profile nothing; "
+                          f"list ranks below {world}")
+    if prof.kind == "nsys" and not run.gpus_per_node:
+        raise LaunchError(f"{stage}.trainer.profile.kind=nsys needs a GPU stage ({stage}.run.gpus_per_node is 0): "
+                          f"Nsight Systems records the GPU work between cudaProfilerStart and Stop; on CPU use "
+                          f"{stage}.trainer.profile.kind=torch")
+
+
 def _check_memory(run: RunSettings, train, model, stage: str, config_name: str, setting):
     """The memory plan of a GPU stage (``model``: the resolved ``train.model``); a layout that cannot fit
     stops the launch, naming knobs that fit."""
@@ -554,8 +591,9 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
         env_pairs.append((str(k), ("1" if v else "0") if isinstance(v, bool) else str(v)))
     launcher = data.get("launcher") or {}
     if not isinstance(launcher, dict):
-        raise LaunchError(f"launcher={launcher!r} must be a mapping (dry_run, python)")
-    _unknown_keys(launcher, ("dry_run", "python", "memory_plan"), "launcher", _launcher_file("config.yaml"))
+        raise LaunchError(f"launcher={launcher!r} must be a mapping (dry_run, python, memory_plan, nsys, nsys_args)")
+    _unknown_keys(launcher, ("dry_run", "python", "memory_plan", "nsys", "nsys_args"), "launcher",
+                  _launcher_file("config.yaml"))
     dry_run = launcher.get("dry_run", False)
     if not isinstance(dry_run, bool):
         raise LaunchError(f"launcher.dry_run={dry_run!r} must be true or false")
@@ -566,6 +604,15 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
         # Without a container the job runs the interpreter that runs the launcher (a shared filesystem
         # with the same environment, the usual cluster setup); in a container, the image's python.
         python = "python" if container else sys.executable
+
+    nsys = launcher.get("nsys", "nsys")
+    if not isinstance(nsys, str) or not nsys.strip() or any(c.isspace() for c in nsys.strip()):
+        raise LaunchError(f"launcher.nsys={nsys!r} must be the Nsight Systems command or its path on the compute "
+                          "nodes, without spaces (e.g. nsys or /usr/local/cuda/bin/nsys)")
+    nsys_args = launcher.get("nsys_args") or []
+    if not isinstance(nsys_args, list) or not all(isinstance(a, str) and a.startswith("-") for a in nsys_args):
+        raise LaunchError(f"launcher.nsys_args={nsys_args!r} must be a list of nsys profile options, e.g. "
+                          "['--cuda-memory-usage=true', '--gpu-metrics-devices=all']")
 
     base_mount = f"{cfg.base_results_dir}:{cfg.base_results_dir}"
     if container and not any(m.split(":", 1)[0].rstrip("/") == cfg.base_results_dir for m in mounts):
@@ -583,12 +630,13 @@ def build_plans(cfg, *, compose_train: Callable[[list[str]], Any], choices: Mapp
         train = _train_config(raw, stage, where, run.results_dir, compose_train)
         model = _resolve_model(train, stage)
         _check_layout(run, train, model, stage, cluster_type)
+        _check_profile(run, train, stage)
         memory = _check_memory(run, train, model, stage, config_name, launcher.get("memory_plan", True))
         plans.append(StagePlan(
             stage=stage, config_name=config_name, cluster_type=cluster_type, run=run, cluster=cluster,
             container=container.strip() if container else None, container_mounts=tuple(mounts),
             env_vars=tuple(env_pairs) + _recipe_env(train, {k for k, _ in env_pairs}), python=python,
-            dry_run=dry_run, train=train, memory=memory,
+            dry_run=dry_run, train=train, memory=memory, nsys=nsys.strip(), nsys_args=tuple(nsys_args),
         ))
     return plans
 

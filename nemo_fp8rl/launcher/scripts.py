@@ -94,9 +94,63 @@ def sbatch_directives(plan: StagePlan) -> list[str]:
 
 
 def train_command(plan: StagePlan) -> list[str]:
-    """The command every rank runs: the training CLI on the resolved config."""
+    """The training CLI on the resolved config: what every rank runs."""
     return [plan.python, "-u", "-m", "nemo_fp8rl.train", f"--config-path={plan.results_dir}",
             f"--config-name={plan.train_config_name}"]
+
+
+def rank_command(plan: StagePlan) -> list[str]:
+    """What srun (or torchrun) starts per rank: :func:`train_command`, through the Nsight Systems wrapper
+    (:func:`render_nsys_wrapper`) when ``trainer.profile.kind=nsys``."""
+    wrap = ["bash", str(plan.nsys_wrapper_path)] if plan.nsys_ranks else []
+    return wrap + train_command(plan)
+
+
+def nsys_profile_command(plan: StagePlan, output: str) -> list[str]:
+    """``nsys profile`` with the options that record exactly the trainer's profiled steps.
+
+    ``--capture-range=cudaProfilerApi --capture-range-end=stop``: recording starts at the trainer's
+    ``cudaProfilerStart`` before ``trainer.profile.start_step`` and ends at its ``cudaProfilerStop`` after
+    ``end_step`` (:mod:`nemo_fp8rl.trainer.profiling`); ``--trace=cuda,nvtx,osrt``: kernels and copies, the
+    trainer's NVTX range per step phase, and OS runtime calls (host waits); ``--sample=none
+    --cpuctxsw=none``: no CPU sampling, which costs host time in the steps measured. Then
+    ``launcher.nsys_args``, and ``--output`` (nsys adds ``.nsys-rep``).
+    """
+    return [plan.nsys, "profile", "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
+            "--trace=cuda,nvtx,osrt", "--sample=none", "--cpuctxsw=none", *plan.nsys_args, f"--output={output}"]
+
+
+def render_nsys_wrapper(plan: StagePlan) -> str:
+    """``<job>_nsys.sh``: runs its arguments (the training command), under ``nsys profile`` on the ranks of
+    ``trainer.profile.ranks`` only, so the other ranks run unobserved and write no empty reports.
+
+    The rank is torchrun's ``RANK`` when torchrun set ``RANK`` and ``WORLD_SIZE`` (local launches), else
+    SLURM's ``SLURM_PROCID``: the order :func:`nemo_fp8rl.models.parallel.read_launch_env` reads them in.
+    Each report is ``<results_dir>/profile/nsys_rank<R>_<start time>.nsys-rep``: a requeued or relaunched
+    job writes new files next to the earlier ones, never over them.
+    """
+    q = shlex.quote
+    prof = plan.train.trainer.profile
+    profile_dir = plan.results_dir / "profile"
+    output = f"{q(str(profile_dir))}/nsys_rank\"$r\"_\"$(date +%Y%m%dT%H%M%S)\""
+    nsys = " ".join(q(t) for t in nsys_profile_command(plan, "")[:-1])
+    ranks = " ".join(str(r) for r in plan.nsys_ranks)
+    return "\n".join([
+        "#!/bin/bash",
+        f"# Nsight Systems around ranks {ranks} (trainer.profile.ranks) of job {plan.job_name}, steps "
+        f"{prof.start_step}-{prof.end_step}",
+        "# (the trainer calls cudaProfilerStart/Stop around them); every other rank runs the command as is.",
+        f"# {_GENERATED}.",
+        'if [ -n "${RANK:-}" ] && [ -n "${WORLD_SIZE:-}" ]; then r="$RANK"; else r="${SLURM_PROCID:-0}"; fi',
+        f'case " {ranks} " in',
+        '    *" $r "*)',
+        f"        mkdir -p {q(str(profile_dir))}",
+        f'        exec {nsys} --output={output} "$@"',
+        "        ;;",
+        "esac",
+        'exec "$@"',
+        "",
+    ])
 
 
 def srun_command(plan: StagePlan) -> list[str]:
@@ -108,12 +162,12 @@ def srun_command(plan: StagePlan) -> list[str]:
                 "--no-container-mount-home"]
     for arg in plan.cluster.srun_args:
         cmd += shlex.split(arg)
-    return cmd + train_command(plan)
+    return cmd + rank_command(plan)
 
 
 def _srun_lines(plan: StagePlan) -> str:
     """srun and its options a few to a line, the training command on the last line."""
-    cmd, train = srun_command(plan), train_command(plan)
+    cmd, train = srun_command(plan), rank_command(plan)
     opts = cmd[: len(cmd) - len(train)]
     rows = [" ".join(shlex.quote(t) for t in opts[:4])]
     rows += [shlex.quote(t) for t in opts[4:]]
@@ -206,9 +260,12 @@ def render_sbatch_script(plan: StagePlan) -> str:
 
 def local_command(plan: StagePlan) -> list[str]:
     """torchrun (``python -m torch.distributed.run``) with every rank of the job on this machine."""
+    run = [plan.python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+           f"--nproc-per-node={plan.world_size}"]
+    if plan.nsys_ranks:  # each rank runs the wrapper, which runs python (or nsys, then python)
+        return run + ["--no-python", *rank_command(plan)]
     # torchrun starts each rank as "<its own python> -u -m nemo_fp8rl.train <args>"
-    return [plan.python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={plan.world_size}", *train_command(plan)[2:]]
+    return run + train_command(plan)[2:]
 
 
 def render_local_script(plan: StagePlan) -> str:
@@ -232,7 +289,10 @@ def render_local_script(plan: StagePlan) -> str:
 
 __all__ = [
     "local_command",
+    "nsys_profile_command",
+    "rank_command",
     "render_local_script",
+    "render_nsys_wrapper",
     "render_sbatch_script",
     "render_train_config",
     "sbatch_directives",

@@ -9,7 +9,12 @@ import subprocess
 from pathlib import Path
 
 from nemo_fp8rl.launcher.plan import StagePlan
-from nemo_fp8rl.launcher.scripts import render_local_script, render_sbatch_script, render_train_config
+from nemo_fp8rl.launcher.scripts import (
+    render_local_script,
+    render_nsys_wrapper,
+    render_sbatch_script,
+    render_train_config,
+)
 
 _JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
 
@@ -30,16 +35,20 @@ def write_stage(plan: StagePlan) -> dict[str, Path]:
 
     Returns:
         ``{"train_config": path, "script": path}`` (the sbatch script for ``slurm``, the torchrun
-        script for ``local``).
+        script for ``local``), and ``"nsys_wrapper": path`` with ``trainer.profile.kind=nsys``.
     """
     plan.results_dir.mkdir(parents=True, exist_ok=True)
     _write(plan.train_config_path, render_train_config(plan))
+    written = {"train_config": plan.train_config_path}
+    if plan.nsys_ranks:  # before the script that runs it
+        _write(plan.nsys_wrapper_path, render_nsys_wrapper(plan), 0o755)
+        written["nsys_wrapper"] = plan.nsys_wrapper_path
     if plan.cluster_type == "slurm":
         script, text = plan.submission_script_path, render_sbatch_script(plan)
     else:
         script, text = plan.local_script_path, render_local_script(plan)
     _write(script, text, 0o755)
-    return {"train_config": plan.train_config_path, "script": script}
+    return {**written, "script": script}
 
 
 def submit(script: Path, *, cwd: Path) -> str:

@@ -176,6 +176,11 @@ BAD = [
      ["rl.run.ntasks_per_node=4", "rl.run.gpus_per_node=8", "one task per GPU"]),
     (["rl=qwen2_5_32b_dapo_blockwise", *GPU_REQUIRED, "rl.run.nodes=3"],
      ["rl.run.nodes=3 x rl.run.ntasks_per_node=8 = 24 processes", "16"]),
+    (["+rl.trainer.profile.kind=nsys"], ["rl.trainer.profile.kind=nsys needs a GPU stage", "kind=torch"]),
+    (["+rl.trainer.profile.kind=torch", "+rl.trainer.profile.ranks=[0,2]"],
+     ["rl.trainer.profile.ranks=[0, 2]: the job has 2 rank(s)", "[2] would profile nothing"]),
+    (["launcher.nsys=my nsys"], ["launcher.nsys='my nsys'", "without spaces"]),
+    (["launcher.nsys_args=[trace]"], ["launcher.nsys_args=['trace']", "nsys profile options"]),
 ]
 
 

@@ -1,6 +1,7 @@
 """The generated files against expected lines (no SLURM needed): sorted #SBATCH lines, exports, one srun,
 the requeue decision; the resolved training config loads in the trainer's Hydra app unchanged."""
 
+import os
 import shlex
 import subprocess
 import sys
@@ -183,3 +184,77 @@ def test_dry_run_writes_and_submits_nothing(tmp_path):
            "(TP=4 x PP=1 x DP=2), 8 GPUs/node" in out
     assert f"dry run: nothing was started; start it with: sbatch {d}/{job}_submission.sh" in out
     assert "Submitted batch job" not in out
+
+
+def _fake_nsys(tmp_path):
+    """A stand-in for Nsight Systems (there is none on a CPU machine): it records its arguments and runs
+    nothing, so the test sees exactly what the wrapper hands to ``nsys``."""
+    fake = tmp_path / "bin" / "fake-nsys"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$NSYS_CALLED"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_nsys_profile_wraps_the_listed_ranks_only(tmp_path):
+    """trainer.profile.kind=nsys: srun starts every rank through <job>_nsys.sh, which puts `nsys profile`
+    (capture range = the trainer's cudaProfilerStart/Stop) in front of the listed ranks only."""
+    from nemo_fp8rl.launcher import render_sbatch_script, write_stage
+
+    fake = _fake_nsys(tmp_path)
+    (plan,) = plans("rl=qwen3_8b_grpo_bf16", f"base_results_dir={tmp_path}", *GPU_REQUIRED, "launcher.dry_run=true",
+                    "+rl.trainer.profile.kind=nsys", "+rl.trainer.profile.start_step=5", "+rl.trainer.profile.end_step=6",
+                    "+rl.trainer.profile.ranks=[4,0]", f"launcher.nsys={fake}", 'launcher.nsys_args=["--cuda-memory-usage=true"]')
+    paths = write_stage(plan)
+    wrapper = plan.nsys_wrapper_path
+    assert paths["nsys_wrapper"] == wrapper and wrapper.stat().st_mode & 0o111 and plan.nsys_ranks == (0, 4)
+    d = plan.results_dir
+    assert _srun(render_sbatch_script(plan))[4:] == [
+        "bash", str(wrapper), sys.executable, "-u", "-m", "nemo_fp8rl.train", f"--config-path={d}",
+        f"--config-name={plan.train_config_name}"]
+    subprocess.run(["bash", "-n", str(wrapper)], check=True)
+
+    def rank(env: dict) -> tuple[str, list[str] | None]:
+        called = tmp_path / "called"
+        called.unlink(missing_ok=True)
+        proc = subprocess.run(["bash", str(wrapper), "echo", "the command", "as is"], capture_output=True, text=True,
+                              check=True, env={"PATH": "/usr/bin:/bin", "NSYS_CALLED": str(called), **env})
+        return proc.stdout, called.read_text().splitlines() if called.exists() else None
+
+    out, args = rank({"SLURM_PROCID": "4"})
+    assert out == "" and args[:-4] == [
+        "profile", "--capture-range=cudaProfilerApi", "--capture-range-end=stop", "--trace=cuda,nvtx,osrt",
+        "--sample=none", "--cpuctxsw=none", "--cuda-memory-usage=true"]
+    assert args[-4].startswith(f"--output={d}/profile/nsys_rank4_") and args[-3:] == ["echo", "the command", "as is"]
+    assert (d / "profile").is_dir()
+    assert rank({"SLURM_PROCID": "1"}) == ("the command as is\n", None)  # not listed: runs unwrapped
+    # torchrun's RANK wins over SLURM's, as in read_launch_env (a local launch inside an allocation)
+    assert rank({"SLURM_PROCID": "0", "RANK": "3", "WORLD_SIZE": "8"}) == ("the command as is\n", None)
+    assert rank({"SLURM_PROCID": "3", "RANK": "0", "WORLD_SIZE": "8"})[1][-4].startswith(
+        f"--output={d}/profile/nsys_rank0_")
+
+
+def test_nsys_profile_under_torchrun_wraps_each_rank(tmp_path):
+    """cluster_type=local with kind=nsys: torchrun --no-python starts the wrapper per rank, with RANK set."""
+    from nemo_fp8rl.launcher import write_stage
+    from nemo_fp8rl.launcher.scripts import local_command
+
+    fake = _fake_nsys(tmp_path)
+    (plan,) = plans("rl=qwen3_8b_grpo_bf16", f"base_results_dir={tmp_path}", *GPU_REQUIRED, "cluster_type=local",
+                    "launcher.dry_run=true", "+rl.trainer.profile.kind=nsys", "+rl.trainer.profile.ranks=[1]",
+                    f"launcher.nsys={fake}")
+    write_stage(plan)
+    cmd = local_command(plan)
+    train = [sys.executable, "-u", "-m", "nemo_fp8rl.train", f"--config-path={plan.results_dir}",
+             f"--config-name={plan.train_config_name}"]
+    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=8"]
+    assert cmd[6:] == ["--no-python", "bash", str(plan.nsys_wrapper_path), *train]
+    # the same chain for real, with a command that prints its rank instead of training (no GPU here)
+    real = cmd[:5] + ["--nproc-per-node=2"] + cmd[6:9] + [sys.executable, "-c", "import os; print('rank', os.environ['RANK'])"]
+    called = tmp_path / "called"
+    proc = subprocess.run(real, capture_output=True, text=True, timeout=120, env={**os.environ, "NSYS_CALLED": str(called)})
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 0" in proc.stdout and "rank 1" not in proc.stdout  # rank 1 went to (fake) nsys instead
+    args = called.read_text().splitlines()
+    assert args[-3:] == [sys.executable, "-c", "import os; print('rank', os.environ['RANK'])"]
+    assert args[-4].startswith(f"--output={plan.results_dir}/profile/nsys_rank1_")
