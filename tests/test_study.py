@@ -107,7 +107,8 @@ def test_long_group_runs_resumes_and_summarizes(tmp_path):
     assert attempt["from_step"] == 2 and attempt["rc"] == 7 and attempt["stopped_by_signal"] == signal.SIGTERM
     # each part of a run says where it ran (a resumed run may continue on another machine)
     assert attempt["machine"]["cpus"] >= 1 and attempt["machine"]["torch"] and attempt["machine"]["torch_threads"] == 1
-    assert (bf16 / "train.log").read_text().count(" machine: ") == 2  # the first part and the resumed one
+    train_log = (bf16 / "train.log").read_text()
+    assert train_log.count(" machine: ") == 2 and "resumed from" in train_log  # the first part and the resumed one
 
 
 def test_summarize_keeps_sections_whose_runs_are_not_in_the_study_dir():

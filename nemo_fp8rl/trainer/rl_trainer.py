@@ -285,6 +285,16 @@ class RLTrainer:
         """Resume from the latest checkpoint (``resume=true``) or load warm-start weights; open the logger."""
         start = 0
         latest = self.decide_start()
+        # The run's own log, next to its metrics: opened once the directory is known to be this run's (a
+        # directory of another run was refused above, its log untouched), so a resume is logged in it too.
+        if self.rank == 0 and self._log_file is None:
+            self._log_file = logging.FileHandler(self.out / "train.log")
+            self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logging.getLogger().addHandler(self._log_file)
+            # where this part of the run ran: a resumed run may continue on another machine (other kernels)
+            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+            logger.info("machine: %s; world size %d", machine.describe_line(torch.get_num_threads(), gpu),
+                        dist.get_world_size() if dist.is_initialized() else 1)
         if latest is not None:
             self._restore(self.ckpt.load(latest, model_fingerprint(self.cfg)))
             start = self.step_idx
@@ -294,14 +304,6 @@ class RLTrainer:
                 self.actor.load_weights(warm_start)
         if self.cfg.algorithm.kl_coef > 0 and not self.actor.has_reference:
             self.actor.keep_reference()  # the RL starting point (after warm-up) is the reference policy
-        if self.rank == 0 and self._log_file is None:  # the run's own log, next to its metrics
-            self._log_file = logging.FileHandler(self.out / "train.log")
-            self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-            logging.getLogger().addHandler(self._log_file)
-            # where this part of the run ran: a resumed run may continue on another machine (other kernels)
-            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-            logger.info("machine: %s; world size %d", machine.describe_line(torch.get_num_threads(), gpu),
-                        dist.get_world_size() if dist.is_initialized() else 1)
         self.logger = MetricsLogger(
             self.cfg.output_dir, tensorboard=self.cfg.logger.tensorboard, progress=self.cfg.logger.progress,
             max_steps=self.cfg.trainer.max_steps, start_step=start, enabled=self.rank == 0,

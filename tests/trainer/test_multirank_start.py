@@ -54,6 +54,8 @@ def test_two_rank_starts_fresh_resumed_and_refused(tmp_path):
 
     # a fresh start on that run is refused on both ranks with one message; no rank crashes or hangs
     before = (out / "metrics.jsonl").read_text()
+    log_before = (out / "train.log").read_text()
+    assert f"resumed from {out}/checkpoints/step_1" in log_before  # the run's own log records the resume
     rc, errs = _launch(out, tmp_path / "logs_refused", 1, "trainer.max_steps=3")
     assert rc != 0
     msgs = [[ln for ln in e.splitlines() if ln.startswith("nemo-fp8rl-train: cannot start:")] for e in errs]
@@ -62,3 +64,4 @@ def test_two_rank_starts_fresh_resumed_and_refused(tmp_path):
     for e in errs:
         assert "Traceback" not in e and "Connection closed" not in e, e[-3000:]
     assert (out / "metrics.jsonl").read_text() == before  # nothing was overwritten
+    assert (out / "train.log").read_text() == log_before  # nor appended to: the refused start opened no log
