@@ -22,11 +22,13 @@ def run(ctx) -> dict:
     import torch
 
     import nemo_fp8rl
+    from nemo_fp8rl import machine
     from nemo_fp8rl.fp8.backends import cublas_version, kernel_out_dtype, resolve_fp8_backend, torch_gemm_support
 
     res = ctx.res
     res.update(python=sys.version.split()[0], executable=sys.executable, torch=torch.__version__,
-               nemo_fp8rl=str(nemo_fp8rl.__file__), cuda_available=torch.cuda.is_available(), packages={})
+               nemo_fp8rl=str(nemo_fp8rl.__file__), cuda_available=torch.cuda.is_available(), packages={},
+               host=machine.describe(torch.get_num_threads()))  # the host CPU: FP8's launch overhead runs there
     for dist in DISTRIBUTIONS:
         try:
             res["packages"][dist] = importlib.metadata.version(dist)
@@ -65,7 +67,8 @@ def headline(res: dict) -> str:
     torch_ok = [k for k, v in res.get("torch_gemm_support", {}).items() if set(v.values()) == {"torch"}]
     return (f"{gpu}, torch {res.get('torch')}, CUDA {res.get('cuda')}, auto backend {res.get('auto_backend')}, "
             f"torch FP8 GEMMs at 8B shapes: {', '.join(torch_ok) or 'none'}; "
-            f"TE {res.get('packages', {}).get('transformer-engine')}, mcore {res.get('packages', {}).get('megatron-core')}")
+            f"TE {res.get('packages', {}).get('transformer-engine')}, mcore {res.get('packages', {}).get('megatron-core')}; "
+            f"host {res.get('host', {}).get('cpu')} ({res.get('host', {}).get('cpus')} CPUs)")
 
 
 def tables(res: dict) -> list[str]:
