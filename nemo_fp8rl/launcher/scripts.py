@@ -144,6 +144,11 @@ def render_nsys_wrapper(plan: StagePlan) -> str:
         'if [ -n "${RANK:-}" ] && [ -n "${WORLD_SIZE:-}" ]; then r="$RANK"; else r="${SLURM_PROCID:-0}"; fi',
         f'case " {ranks} " in',
         '    *" $r "*)',
+        f"        if ! command -v {q(plan.nsys)} >/dev/null; then",
+        f'            echo "nemo-fp8rl: rank $r: launcher.nsys={plan.nsys} is not a command on $(hostname); set '
+        f'launcher.nsys=<path of nsys> (e.g. /usr/local/cuda/bin/nsys) and launch again" >&2',
+        "            exit 2",
+        "        fi",
         f"        mkdir -p {q(str(profile_dir))}",
         f'        exec {nsys} --output={output} "$@"',
         "        ;;",

@@ -228,6 +228,12 @@ def test_nsys_profile_wraps_the_listed_ranks_only(tmp_path):
     assert args[-4].startswith(f"--output={d}/profile/nsys_rank4_") and args[-3:] == ["echo", "the command", "as is"]
     assert (d / "profile").is_dir()
     assert rank({"SLURM_PROCID": "1"}) == ("the command as is\n", None)  # not listed: runs unwrapped
+    # a missing nsys stops the profiled rank with the key to set, not bash's "command not found"
+    fake.rename(fake.with_name("moved"))
+    proc = subprocess.run(["bash", str(wrapper), "echo", "x"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "SLURM_PROCID": "0"})
+    assert proc.returncode == 2 and f"rank 0: launcher.nsys={fake} is not a command on" in proc.stderr
+    fake.with_name("moved").rename(fake)
     # torchrun's RANK wins over SLURM's, as in read_launch_env (a local launch inside an allocation)
     assert rank({"SLURM_PROCID": "0", "RANK": "3", "WORLD_SIZE": "8"}) == ("the command as is\n", None)
     assert rank({"SLURM_PROCID": "3", "RANK": "0", "WORLD_SIZE": "8"})[1][-4].startswith(
