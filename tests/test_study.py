@@ -687,6 +687,17 @@ def test_track_confirm_plans_the_chosen_candidate_on_fresh_seeds(tmp_path, monke
     acc = md.split("Accuracy beside the reward")[1].split("Verdicts")[0]
     assert "| comparison (accuracy last 10) |" in acc and "| fp8_calibrated - fp8_recompute_tis | 3 |" in acc
     assert "| fp8_calibrated - fp8_fixed_wide | 0 | - |" in acc
+    assert "| fp8_calibrated - bf16 | 0 | - |" in acc and "Where each run ran" not in md  # no machine recorded
+    # attempts that recorded their machine (run_study does since 2026-12-08): a run that moved shows both
+    first = runs[0]
+    cpu = {"cpu": "AMD EPYC (family 23 model 49)", "cpu_flags": ["avx2"], "cpus": 2, "torch": "2.13.0+cpu"}
+    (tmp_path / "out" / first["group"] / first["name"] / "study_run.json").write_text(json.dumps({"attempts": [
+        {"from_step": 0}, {"from_step": 5, "machine": cpu},
+        {"from_step": 9, "machine": dict(cpu, cpu="AMD EPYC (family 25 model 17)", cpu_flags=["avx2", "avx512f"])}]}))
+    md = mod.stage_report("track_confirm", runs, tmp_path / "out", tmp_path / "rec")
+    assert md.split("Where each run ran")[1].splitlines()[-1] == (
+        f"| {first['name']} | 3 | AMD EPYC (family 23 model 49); avx2; 2 CPUs; torch 2.13.0+cpu / "
+        "AMD EPYC (family 25 model 17); avx2 avx512f; 2 CPUs; torch 2.13.0+cpu |")
     args.candidates = "e5m2"
     with pytest.raises(SystemExit, match="does not choose it"):
         mod.stage_runs(args)

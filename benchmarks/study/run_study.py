@@ -968,7 +968,7 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
     if stage == "track_confirm":  # issue 41: questions 1 and 2 first, then what each arm does against fixed clip
         pairs = [("fp8_calibrated", "fp8_fixed_wide"), ("fp8_calibrated", "fp8_recompute_tis"),
                  ("fp8_calibrated_low", "fp8_fixed_wide"), ("fp8_calibrated", "fp8"), ("fp8_fixed_wide", "fp8"),
-                 ("fp8_recompute_tis", "fp8"), ("fp8", "bf16")]
+                 ("fp8_recompute_tis", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16")]
     else:
         pairs = [("fp8_calibrated", "fp8"), ("fp8", "bf16"), ("fp8_calibrated", "bf16"),
                  ("fp8_calibrated_upper_fixed", "fp8"), ("fp8_calibrated_upper_fixed", "fp8_calibrated"),
@@ -982,7 +982,42 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
         table += ("\n\nAccuracy beside the reward (reported, not a decision measure; reward - accuracy is partial "
                   "credit):\n\n" + protocol_report.paired_table(acc10, pairs, quantity="accuracy"))
         table += "\n\nVerdicts (primary measure, last 10):\n\n" + protocol_report.track_verdicts(last10)
+    machines = machines_table(runs, out, record)
+    if machines:
+        table += "\n\nWhere each run ran (study_run.json's attempts that recorded their machine):\n\n" + machines
     return table
+
+
+def run_machines(meta_paths: list[Path]) -> tuple[int, list[str]]:
+    """``(attempts, distinct machines in order)`` of a run, from the first of ``meta_paths`` (its
+    ``study_run.json`` in the output or the record directory) that exists; each machine as ``cpu; flags; N
+    CPUs; torch V`` (:func:`nemo_fp8rl.machine.describe`). Attempts recorded before machines were (2026-12-08)
+    count in ``attempts`` but name none."""
+    for meta in meta_paths:
+        if meta.is_file():
+            attempts = json.loads(meta.read_text()).get("attempts", [])
+            seen: list[str] = []
+            for a in attempts:
+                m = a.get("machine")
+                if m:
+                    name = f"{m['cpu']}; {' '.join(m['cpu_flags']) or 'no avx2/avx512/amx'}; {m['cpus']} CPUs; torch {m['torch']}"
+                    if name not in seen:
+                        seen.append(name)
+            return len(attempts), seen
+    return 0, []
+
+
+def machines_table(runs: list[dict], out: Path, record: Path) -> str:
+    """A markdown table of the runs whose attempts recorded a machine: parts (attempts) and machines; ``""``
+    when none did (every run before 2026-12-08)."""
+    rows = []
+    for r in runs:
+        n, seen = run_machines([run_dir(out, r) / "study_run.json", record / r["group"] / r["name"] / "study_run.json"])
+        if seen:
+            rows.append(f"| {r['name']} | {n} | {' / '.join(seen)} |")
+    if not rows:
+        return ""
+    return "\n".join(["| run | parts | machine(s) |", "| --- | ---: | --- |", *rows])
 
 
 def stage_samples(runs: list[dict], out: Path, record: Path, seed: int) -> str:
