@@ -174,11 +174,13 @@ def test_local_script_runs_the_same_command_under_torchrun(tmp_path):
 
 def test_dry_run_writes_and_submits_nothing(tmp_path):
     proc = launch_cli(f"base_results_dir={tmp_path}", "rl=qwen3_8b_grpo_bf16", *GPU_REQUIRED, "launcher.dry_run=true",
+                      "+rl.trainer.profile.kind=nsys", "+rl.trainer.profile.ranks=[0,4]",  # + the nsys wrapper
                       console_script=True)  # the installed entry point
     assert proc.returncode == 0, proc.stderr
     d = tmp_path / "qwen3_8b_grpo_bf16"
     job = "nemo-fp8rl-qwen3_8b_grpo_bf16"
-    assert sorted(p.name for p in d.iterdir()) == [f"{job}_submission.sh", f"{job}_train_config.yaml"]
+    assert sorted(p.name for p in d.iterdir()) == [f"{job}_nsys.sh", f"{job}_submission.sh", f"{job}_train_config.yaml"]
+    assert f"nsys wrapper:      {d}/{job}_nsys.sh (ranks [0, 4] under nsys profile; reports in {d}/profile)" in proc.stdout
     out = proc.stdout
     assert "rl/qwen3_8b_grpo_bf16 -> job nemo-fp8rl-qwen3_8b_grpo_bf16: 1 node x 8 tasks = 8 ranks " \
            "(TP=4 x PP=1 x DP=2), 8 GPUs/node" in out
@@ -264,3 +266,4 @@ def test_nsys_profile_under_torchrun_wraps_each_rank(tmp_path):
     args = called.read_text().splitlines()
     assert args[-3:] == [sys.executable, "-c", "import os; print('rank', os.environ['RANK'])"]
     assert args[-4].startswith(f"--output={plan.results_dir}/profile/nsys_rank1_")
+
