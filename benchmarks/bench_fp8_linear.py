@@ -470,8 +470,7 @@ def run(args: argparse.Namespace) -> None:
     layers = parse_layers(shapes)
 
     print(f"{datetime.date.today().isoformat()}  {machine.describe_line(torch.get_num_threads())}")
-    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, threads {torch.get_num_threads()}, "
-          f"dtype {args.dtype}, repeats {repeats} (median, interleaved), compile {args.compile}")
+    print(f"dtype {args.dtype}, repeats {repeats} (median, interleaved), compile {args.compile}")
     print("layers (K x N): " + ", ".join(f"{n}={k}x{nn}" for n, k, nn in layers) + f"; tokens M: {tokens}")
 
     t_start = time.perf_counter()

@@ -114,7 +114,7 @@ def main() -> None:
 
     print(f"{machine.describe_line(torch.get_num_threads())}, vllm {vllm.__version__}")
     print(f"model {args.model}: {n_params / 1e6:.2f}M parameters, prompt {args.prompt_len} tokens, "
-          f"threads {torch.get_num_threads()}, fastest of {args.repeats} (after 1 warm-up)")
+          f"fastest of {args.repeats} (after 1 warm-up)")
     print(f"{'batch':>6} {'resp':>5} {'torch tok/s':>12} {'vllm tok/s':>11} {'vllm/torch':>10}")
     for B in batches:
         prompts = [[1 + (b * 7 + i) % (cfg.vocab_size - 1) for i in range(args.prompt_len)] for b in range(B)]

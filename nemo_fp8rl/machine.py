@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SPEED_FLAGS", "cpu_model_and_flags", "describe", "describe_line"]
+__all__ = ["SPEED_FLAGS", "as_line", "cpu_model_and_flags", "describe", "describe_line"]
 
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 """CPU flags that change which kernels torch (oneDNN, FBGEMM, Inductor) runs: the ones worth recording."""
@@ -75,15 +75,22 @@ def describe(torch_threads: int | None = None, gpu: str | None = None) -> dict[s
     return out
 
 
-def describe_line(torch_threads: int | None = None, gpu: str | None = None) -> str:
-    """:func:`describe` on one line, e.g. ``AMD EPYC (family 25 model 17), 2 CPUs, avx2 avx512f avx512_bf16,
-    torch 2.13.0+cpu, 1 torch thread, python 3.11.7``."""
-    d = describe(torch_threads, gpu)
+def as_line(d: dict[str, Any]) -> str:
+    """A :func:`describe` dict (live, or read back from a record) on one line, e.g. ``AMD EPYC (family 25 model
+    17), 2 CPUs, avx2 avx512f avx512_bf16, torch 2.13.0+cpu, 1 torch thread, python 3.11.7``; keys a record
+    lacks are left out."""
     parts = [d["cpu"], f"{d['cpus']} CPUs", " ".join(d["cpu_flags"]) or "no avx2/avx512/amx"]
-    if gpu is not None:
-        parts.append(f"GPU {gpu}")
-    parts.append(f"torch {d['torch'] or 'not installed'}")
-    if torch_threads is not None:
-        parts.append(f"{torch_threads} torch thread{'s' if torch_threads != 1 else ''}")
-    parts.append(f"python {d['python']}")
+    if d.get("gpu") is not None:
+        parts.append(f"GPU {d['gpu']}")
+    parts.append(f"torch {d.get('torch') or 'not installed'}")
+    if d.get("torch_threads") is not None:
+        n = d["torch_threads"]
+        parts.append(f"{n} torch thread{'s' if n != 1 else ''}")
+    if d.get("python"):
+        parts.append(f"python {d['python']}")
     return ", ".join(parts)
+
+
+def describe_line(torch_threads: int | None = None, gpu: str | None = None) -> str:
+    """:func:`describe` on one line (:func:`as_line`)."""
+    return as_line(describe(torch_threads, gpu))

@@ -42,3 +42,9 @@ def test_describe_is_json_and_the_line_names_what_it_was_given():
     line = machine.describe_line(torch_threads=1, gpu="NVIDIA H200")
     assert "GPU NVIDIA H200" in line and "1 torch thread," in line and f"torch {d['torch']}" in line
     assert "torch_threads" not in machine.describe() and "gpu" not in machine.describe()
+
+
+def test_a_recorded_machine_reads_back_as_the_same_line():
+    d = json.loads(json.dumps(machine.describe(torch_threads=2)))  # as study_run.json stores it
+    assert machine.as_line(d) == machine.describe_line(torch_threads=2)
+    assert machine.as_line({"cpu": "X", "cpus": 4, "cpu_flags": []}) == "X, 4 CPUs, no avx2/avx512/amx, torch not installed"

@@ -696,8 +696,8 @@ def test_track_confirm_plans_the_chosen_candidate_on_fresh_seeds(tmp_path, monke
         {"from_step": 9, "machine": dict(cpu, cpu="AMD EPYC (family 25 model 17)", cpu_flags=["avx2", "avx512f"])}]}))
     md = mod.stage_report("track_confirm", runs, tmp_path / "out", tmp_path / "rec")
     assert md.split("Where each run ran")[1].splitlines()[-1] == (
-        f"| {first['name']} | 3 | AMD EPYC (family 23 model 49); avx2; 2 CPUs; torch 2.13.0+cpu / "
-        "AMD EPYC (family 25 model 17); avx2 avx512f; 2 CPUs; torch 2.13.0+cpu |")
+        f"| {first['name']} | 3 | AMD EPYC (family 23 model 49), 2 CPUs, avx2, torch 2.13.0+cpu / "
+        "AMD EPYC (family 25 model 17), 2 CPUs, avx2 avx512f, torch 2.13.0+cpu |")
     args.candidates = "e5m2"
     with pytest.raises(SystemExit, match="does not choose it"):
         mod.stage_runs(args)

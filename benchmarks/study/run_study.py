@@ -990,20 +990,14 @@ def stage_report(stage: str, runs: list[dict], out: Path, record: Path, figure: 
 
 def run_machines(meta_paths: list[Path]) -> tuple[int, list[str]]:
     """``(attempts, distinct machines in order)`` of a run, from the first of ``meta_paths`` (its
-    ``study_run.json`` in the output or the record directory) that exists; each machine as ``cpu; flags; N
-    CPUs; torch V`` (:func:`nemo_fp8rl.machine.describe`). Attempts recorded before machines were (2026-12-08)
-    count in ``attempts`` but name none."""
+    ``study_run.json`` in the output or the record directory) that exists; each machine on one line
+    (:func:`nemo_fp8rl.machine.as_line`). Attempts recorded before machines were (2026-12-08) count in
+    ``attempts`` but name none."""
     for meta in meta_paths:
         if meta.is_file():
             attempts = json.loads(meta.read_text()).get("attempts", [])
-            seen: list[str] = []
-            for a in attempts:
-                m = a.get("machine")
-                if m:
-                    name = f"{m['cpu']}; {' '.join(m['cpu_flags']) or 'no avx2/avx512/amx'}; {m['cpus']} CPUs; torch {m['torch']}"
-                    if name not in seen:
-                        seen.append(name)
-            return len(attempts), seen
+            names = [machine.as_line(a["machine"]) for a in attempts if a.get("machine")]
+            return len(attempts), list(dict.fromkeys(names))
     return 0, []
 
 
